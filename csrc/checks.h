@@ -1,0 +1,140 @@
+// Input validation shared by the CPU and CUDA implementations.
+//
+// Every message names the argument, what was expected and what came, e.g.
+//   "fused_pool_gelu.forward: x must be 2-D [batch, in_features], got shape [2, 4, 32]".
+// The Python fake kernels (fused_pool_gelu/ops.py) mirror the shape checks so that
+// torch.compile reports the same errors while tracing.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <initializer_list>
+
+namespace fused_pool_gelu {
+
+inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
+                       const char* layout) {
+  TORCH_CHECK(t.dim() == rank, "fused_pool_gelu.", op, ": ", name, " must be ", rank, "-D ",
+              layout, ", got shape ", t.sizes());
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                              const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), "fused_pool_gelu.", op, ": ", name,
+              " must be on the same device as ", ref_name, " (", ref.device(), "), got ",
+              t.device());
+}
+
+inline void check_same_dtype(const char* op, const char* name, const at::Tensor& t,
+                             const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "fused_pool_gelu.", op, ": ", name,
+              " must have the same dtype as ", ref_name, " (", ref.scalar_type(), "), got ",
+              t.scalar_type());
+}
+
+// The floating dtypes an implementation supports, e.g. {kFloat, kDouble} on the CPU.
+inline void check_dtype_in(const char* op, const char* name, const at::Tensor& t,
+                           std::initializer_list<at::ScalarType> allowed,
+                           const char* allowed_text) {
+  bool ok = false;
+  for (auto s : allowed) ok = ok || t.scalar_type() == s;
+  TORCH_CHECK(ok, "fused_pool_gelu.", op, ": ", name, " must be ", allowed_text, " on ",
+              t.device().type(), ", got ", t.scalar_type());
+}
+
+// fold(weight [O, K], bias [O] or None, k): pools groups of k rows, N = O // k.
+inline void check_fold_inputs(const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                              int64_t pool_kernel_size) {
+  check_rank("fold", "weight", weight, 2, "[out_features, in_features]");
+  TORCH_CHECK(pool_kernel_size >= 1,
+              "fused_pool_gelu.fold: pool_kernel_size must be >= 1, got ", pool_kernel_size);
+  TORCH_CHECK(pool_kernel_size <= weight.size(0),
+              "fused_pool_gelu.fold: pool_kernel_size must be <= out_features (",
+              weight.size(0), ") so that at least one pooled feature exists, got ",
+              pool_kernel_size);
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == weight.size(0),
+                "fused_pool_gelu.fold: bias must be 1-D [out_features] = [", weight.size(0),
+                "], got shape ", b.sizes());
+    check_same_device("fold", "bias", b, "weight", weight);
+    check_same_dtype("fold", "bias", b, "weight", weight);
+  }
+}
+
+// fold_backward(grad_pooled_weight [N, K], grad_pooled_bias [N], O, k).
+inline void check_fold_backward_inputs(const at::Tensor& grad_pooled_weight,
+                                       const at::Tensor& grad_pooled_bias, int64_t out_features,
+                                       int64_t pool_kernel_size) {
+  const char* op = "fold_backward";
+  check_rank(op, "grad_pooled_weight", grad_pooled_weight, 2, "[pooled_features, in_features]");
+  TORCH_CHECK(pool_kernel_size >= 1, "fused_pool_gelu.fold_backward: pool_kernel_size must be >= 1, got ",
+              pool_kernel_size);
+  TORCH_CHECK(out_features / pool_kernel_size == grad_pooled_weight.size(0),
+              "fused_pool_gelu.fold_backward: grad_pooled_weight must have out_features // "
+              "pool_kernel_size = ", out_features / pool_kernel_size, " rows, got shape ",
+              grad_pooled_weight.sizes());
+  TORCH_CHECK(grad_pooled_bias.dim() == 1 && grad_pooled_bias.size(0) == grad_pooled_weight.size(0),
+              "fused_pool_gelu.fold_backward: grad_pooled_bias must be 1-D [pooled_features] = [",
+              grad_pooled_weight.size(0), "], got shape ", grad_pooled_bias.sizes());
+  check_same_device(op, "grad_pooled_bias", grad_pooled_bias, "grad_pooled_weight", grad_pooled_weight);
+  check_same_dtype(op, "grad_pooled_bias", grad_pooled_bias, "grad_pooled_weight", grad_pooled_weight);
+}
+
+// forward_with_argmax(x [B, K], weight [N, K], bias [N] or None, scale).
+inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias) {
+  const char* op = "forward";
+  check_rank(op, "x", x, 2, "[batch, in_features]");
+  check_rank(op, "weight", weight, 2, "[pooled_features, in_features]");
+  TORCH_CHECK(weight.size(1) == x.size(1),
+              "fused_pool_gelu.forward: weight must be [pooled_features, in_features] with "
+              "in_features = x.size(1) = ", x.size(1), ", got shape ", weight.sizes());
+  TORCH_CHECK(weight.size(0) >= 1,
+              "fused_pool_gelu.forward: weight must have at least one row (pooled feature) to take "
+              "the max over, got shape ", weight.sizes());
+  check_same_device(op, "weight", weight, "x", x);
+  check_same_dtype(op, "weight", weight, "x", x);
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == weight.size(0),
+                "fused_pool_gelu.forward: bias must be 1-D [pooled_features] = [", weight.size(0),
+                "], got shape ", b.sizes());
+    check_same_device(op, "bias", b, "x", x);
+    check_same_dtype(op, "bias", b, "x", x);
+  }
+}
+
+// forward_backward(grad_out [B]?, grad_preactivation [B]?, x [B, K], weight [N, K],
+//                  argmax [B] int64, preactivation [B], scale).
+inline void check_forward_backward_inputs(const c10::optional<at::Tensor>& grad_out,
+                                          const c10::optional<at::Tensor>& grad_preactivation,
+                                          const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& argmax,
+                                          const at::Tensor& preactivation) {
+  const char* op = "forward_backward";
+  check_forward_inputs(x, weight, c10::nullopt);
+  const int64_t batch = x.size(0);
+  auto check_batch_vector = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, "fused_pool_gelu.forward_backward: ", name,
+                " must be 1-D [batch] = [", batch, "], got shape ", t.sizes());
+    check_same_device(op, name, t, "x", x);
+  };
+  check_batch_vector("argmax", argmax);
+  TORCH_CHECK(argmax.scalar_type() == at::kLong,
+              "fused_pool_gelu.forward_backward: argmax must be int64, got ", argmax.scalar_type());
+  check_batch_vector("preactivation", preactivation);
+  check_same_dtype(op, "preactivation", preactivation, "x", x);
+  if (grad_out.has_value()) {
+    check_batch_vector("grad_out", *grad_out);
+    check_same_dtype(op, "grad_out", *grad_out, "x", x);
+  }
+  if (grad_preactivation.has_value()) {
+    check_batch_vector("grad_preactivation", *grad_preactivation);
+    check_same_dtype(op, "grad_preactivation", *grad_preactivation, "x", x);
+  }
+}
+
+}  // namespace fused_pool_gelu

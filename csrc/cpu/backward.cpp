@@ -1,0 +1,106 @@
+// CPU arg-max backward of forward_with_argmax (DESIGN.md, "Backward").
+//
+// Only the arg-max column of each row carries gradient:
+//   dz[b]          = grad_out[b] * scale * gelu'(z[b, j*]) + grad_preactivation[b]
+//   grad_x[b, :]   = dz[b] * weight[j*(b), :]                         (a gather)
+//   grad_weight[n] = sum over rows b with j*(b) = n of dz[b] * x[b]   (a scatter-add)
+//   grad_bias[n]   = sum over the same rows of dz[b]
+// O(B*K + N*K) work instead of the dense backward's two GEMMs. The scatter-add is made
+// deterministic by giving each thread a disjoint range of columns and walking the rows in order.
+#include "checks.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace fused_pool_gelu {
+namespace {
+
+template <typename scalar_t>
+scalar_t gelu_grad(scalar_t z) {
+  const scalar_t cdf = scalar_t(0.5) * (scalar_t(1) + std::erf(z * scalar_t(M_SQRT1_2)));
+  const scalar_t pdf = std::exp(scalar_t(-0.5) * z * z) * scalar_t(0.5 * M_2_SQRTPI * M_SQRT1_2);
+  return cdf + z * pdf;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cpu(
+    const c10::optional<at::Tensor>& grad_out, const c10::optional<at::Tensor>& grad_preactivation,
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& argmax,
+    const at::Tensor& preactivation, double scale) {
+  check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation);
+  check_dtype_in("forward_backward", "x", x, {at::kFloat, at::kDouble}, "float32 or float64");
+  const int64_t batch = x.size(0);
+  const int64_t in_features = x.size(1);
+  const int64_t pooled = weight.size(0);
+
+  const at::Tensor argmax_c = argmax.contiguous();
+  const int64_t* argmax_ptr = argmax_c.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(argmax_ptr[b] >= 0 && argmax_ptr[b] < pooled,
+                "fused_pool_gelu.forward_backward: argmax must hold indices in [0, ", pooled,
+                "), got ", argmax_ptr[b], " at position ", b);
+  }
+
+  const at::Tensor x_c = x.contiguous();
+  const at::Tensor weight_c = weight.contiguous();
+  at::Tensor grad_x = at::empty({batch, in_features}, x.options());
+  at::Tensor grad_weight = at::zeros({pooled, in_features}, x.options());
+  at::Tensor grad_bias = at::zeros({pooled}, x.options());
+  if (batch == 0) return {grad_x, grad_weight, grad_bias};
+
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "forward_backward_cpu", [&] {
+    const scalar_t s = static_cast<scalar_t>(scale);
+    at::Tensor dz = at::empty({batch}, x.options());
+    scalar_t* dz_ptr = dz.mutable_data_ptr<scalar_t>();
+    const at::Tensor pre = preactivation.contiguous();
+    const at::Tensor g_out = grad_out.has_value() ? grad_out->contiguous() : at::Tensor();
+    const at::Tensor g_pre =
+        grad_preactivation.has_value() ? grad_preactivation->contiguous() : at::Tensor();
+    const scalar_t* pre_ptr = pre.const_data_ptr<scalar_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      scalar_t d = scalar_t(0);
+      if (g_out.defined()) d = g_out.const_data_ptr<scalar_t>()[b] * s * gelu_grad(pre_ptr[b]);
+      if (g_pre.defined()) d += g_pre.const_data_ptr<scalar_t>()[b];
+      dz_ptr[b] = d;
+    }
+
+    const scalar_t* x_ptr = x_c.const_data_ptr<scalar_t>();
+    const scalar_t* w_ptr = weight_c.const_data_ptr<scalar_t>();
+    scalar_t* gx_ptr = grad_x.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const scalar_t* w_row = w_ptr + argmax_ptr[b] * in_features;
+        scalar_t* gx_row = gx_ptr + b * in_features;
+        for (int64_t c = 0; c < in_features; ++c) gx_row[c] = dz_ptr[b] * w_row[c];
+      }
+    });
+
+    // Each thread owns a range of columns and adds the rows in increasing b: fixed order,
+    // so the result does not depend on the thread count.
+    scalar_t* gw_ptr = grad_weight.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, in_features, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t b = 0; b < batch; ++b) {
+        const scalar_t* x_row = x_ptr + b * in_features;
+        scalar_t* gw_row = gw_ptr + argmax_ptr[b] * in_features;
+        for (int64_t c = begin; c < end; ++c) gw_row[c] += dz_ptr[b] * x_row[c];
+      }
+    });
+    scalar_t* gb_ptr = grad_bias.mutable_data_ptr<scalar_t>();
+    for (int64_t b = 0; b < batch; ++b) gb_ptr[argmax_ptr[b]] += dz_ptr[b];
+  });
+  return {grad_x, grad_weight, grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
+  m.impl("forward_backward", &forward_backward_cpu);
+}
+
+}  // namespace fused_pool_gelu

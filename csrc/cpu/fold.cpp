@@ -1,0 +1,117 @@
+// CPU fold: average-pool groups of k rows of the Linear weight (and bias), and its adjoint.
+//
+// AvgPool1d over the outputs of a Linear is itself a Linear whose rows are the group means:
+//   mean_r (x . W[n*k + r] + b[n*k + r]) = x . mean_r W[n*k + r] + mean_r b[n*k + r].
+// Rows N*k .. O-1 (the O % k tail, dropped by AvgPool1d's floor) never reach the output.
+#include "checks.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace fused_pool_gelu {
+namespace {
+
+constexpr const char* kCpuDtypes = "float32 or float64";
+
+// Rows of `dst` [rows, cols] are means of k consecutive rows of `src` (row stride src_stride).
+// Columns are the inner loop, so each group is streamed once and vectorizes.
+template <typename scalar_t>
+void pool_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t rows,
+               int64_t cols, int64_t k) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      scalar_t* out = dst + n * cols;
+      const scalar_t* group = src + n * k * src_stride;
+      for (int64_t c = 0; c < cols; ++c) out[c] = group[c];
+      for (int64_t r = 1; r < k; ++r) {
+        const scalar_t* row = group + r * src_stride;
+        for (int64_t c = 0; c < cols; ++c) out[c] += row[c];
+      }
+      for (int64_t c = 0; c < cols; ++c) out[c] /= static_cast<scalar_t>(k);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
+                                            const c10::optional<at::Tensor>& bias,
+                                            int64_t pool_kernel_size) {
+  check_fold_inputs(weight, bias, pool_kernel_size);
+  check_dtype_in("fold", "weight", weight, {at::kFloat, at::kDouble}, kCpuDtypes);
+  const int64_t k = pool_kernel_size;
+  const int64_t pooled = weight.size(0) / k;
+  const int64_t in_features = weight.size(1);
+  // Rows must be unit-stride for the inner loop; a transposed or sliced weight is copied once.
+  const at::Tensor w = weight.stride(1) == 1 ? weight : weight.contiguous();
+  at::Tensor pooled_weight = at::empty({pooled, in_features}, weight.options());
+  at::Tensor pooled_bias;
+  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "fold_cpu", [&] {
+    pool_rows<scalar_t>(w.const_data_ptr<scalar_t>(), w.stride(0),
+                        pooled_weight.mutable_data_ptr<scalar_t>(), pooled, in_features, k);
+    if (bias.has_value()) {
+      const at::Tensor b = bias->contiguous();
+      pooled_bias = at::empty({pooled}, weight.options());
+      pool_rows<scalar_t>(b.const_data_ptr<scalar_t>(), 1, pooled_bias.mutable_data_ptr<scalar_t>(),
+                          pooled, 1, k);
+    }
+  });
+  if (!bias.has_value()) pooled_bias = at::zeros({pooled}, weight.options());
+  return {pooled_weight, pooled_bias};
+}
+
+// grad_weight[n*k + r] = grad_pooled_weight[n] / k for n < N, tail rows zero; bias likewise.
+template <typename scalar_t>
+void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t pooled,
+                 int64_t out_rows, int64_t cols, int64_t k) {
+  at::parallel_for(0, out_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      scalar_t* out = dst + o * cols;
+      const int64_t n = o / k;
+      if (n >= pooled) {
+        for (int64_t c = 0; c < cols; ++c) out[c] = scalar_t(0);
+        continue;
+      }
+      const scalar_t* row = src + n * src_stride;
+      for (int64_t c = 0; c < cols; ++c) out[c] = row[c] / static_cast<scalar_t>(k);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> fold_backward_cpu(const at::Tensor& grad_pooled_weight,
+                                                     const at::Tensor& grad_pooled_bias,
+                                                     int64_t out_features,
+                                                     int64_t pool_kernel_size) {
+  check_fold_backward_inputs(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size);
+  check_dtype_in("fold_backward", "grad_pooled_weight", grad_pooled_weight,
+                 {at::kFloat, at::kDouble}, kCpuDtypes);
+  const int64_t k = pool_kernel_size;
+  const int64_t pooled = grad_pooled_weight.size(0);
+  const int64_t in_features = grad_pooled_weight.size(1);
+  const at::Tensor gw = grad_pooled_weight.stride(1) == 1 ? grad_pooled_weight
+                                                          : grad_pooled_weight.contiguous();
+  const at::Tensor gb = grad_pooled_bias.contiguous();
+  at::Tensor grad_weight = at::empty({out_features, in_features}, gw.options());
+  at::Tensor grad_bias = at::empty({out_features}, gw.options());
+  AT_DISPATCH_FLOATING_TYPES(gw.scalar_type(), "fold_backward_cpu", [&] {
+    expand_rows<scalar_t>(gw.const_data_ptr<scalar_t>(), gw.stride(0),
+                          grad_weight.mutable_data_ptr<scalar_t>(), pooled, out_features,
+                          in_features, k);
+    expand_rows<scalar_t>(gb.const_data_ptr<scalar_t>(), 1, grad_bias.mutable_data_ptr<scalar_t>(),
+                          pooled, out_features, 1, k);
+  });
+  return {grad_weight, grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
+  m.impl("fold", &fold_cpu);
+  m.impl("fold_backward", &fold_backward_cpu);
+}
+
+}  // namespace fused_pool_gelu

@@ -1,0 +1,94 @@
+// Every operator schema of fused_pool_gelu, in one place, and the Python module stub.
+//
+// The math (docs in ../README.md, derivation in DESIGN.md):
+//   fold:    pooled_weight[n] = mean_r weight[n*k + r],  pooled_bias[n] = mean_r bias[n*k + r]
+//   forward: out[b] = max_n scale * gelu(x[b] . pooled_weight[n] + pooled_bias[n])
+// Device kernels register themselves next to their code (csrc/cpu/*.cpp, csrc/cuda/*.cu);
+// fake kernels and autograd formulas live in fused_pool_gelu/ops.py.
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace fused_pool_gelu {
+
+// forward is forward_with_argmax without the saved-for-backward outputs. Being
+// CompositeImplicitAutograd, it is differentiable (and traceable) through forward_with_argmax.
+static at::Tensor forward_composite(const at::Tensor& x, const at::Tensor& weight,
+                                    const c10::optional<at::Tensor>& bias, double scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fused_pool_gelu::forward_with_argmax", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                           double)>();
+  return std::get<0>(op.call(x, weight, bias, scale));
+}
+
+TORCH_LIBRARY(fused_pool_gelu, m) {
+  // Average-pool groups of k rows of a Linear's weight and bias (AvgPool1d floor: the O % k tail
+  // rows are dropped): returns (pooled_weight [O//k, K], pooled_bias [O//k], zeros if bias is None).
+  m.def("fold(Tensor weight, Tensor? bias, int pool_kernel_size) -> (Tensor, Tensor)");
+  // Adjoint of fold: grad_weight[n*k + r] = grad_pooled_weight[n] / k, tail rows zero; same for bias.
+  m.def(
+      "fold_backward(Tensor grad_pooled_weight, Tensor grad_pooled_bias, int out_features, "
+      "int pool_kernel_size) -> (Tensor, Tensor)");
+  // out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n]) over the pooled weight [N, K] (exact erf
+  // GELU, torch.max semantics: first index on ties, NaN wins). Also returns the arg-max n and the
+  // pre-activation x[b] . weight[n] + bias[n] there, which is all the backward needs.
+  m.def(
+      "forward_with_argmax(Tensor x, Tensor weight, Tensor? bias, float scale) -> "
+      "(Tensor out, Tensor argmax, Tensor preactivation)");
+  // The public forward: out [B] of forward_with_argmax.
+  m.def("forward(Tensor x, Tensor weight, Tensor? bias, float scale) -> Tensor");
+  // Arg-max backward of forward_with_argmax (no dense GEMM): a gather for grad_x, a deterministic
+  // segment reduction over rows sharing an arg-max for grad_weight and grad_bias [N].
+  m.def(
+      "forward_backward(Tensor? grad_out, Tensor? grad_preactivation, Tensor x, Tensor weight, "
+      "Tensor argmax, Tensor preactivation, float scale) -> "
+      "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
+}
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeImplicitAutograd, m) {
+  m.impl("forward", &forward_composite);
+}
+
+}  // namespace fused_pool_gelu
+
+// Facts fixed when this binary was compiled (setup.py passes them as macros).
+#ifndef FPG_TORCH_VERSION
+#define FPG_TORCH_VERSION "unknown"
+#endif
+#ifndef FPG_CUDA_VERSION
+#define FPG_CUDA_VERSION ""
+#endif
+#ifndef FPG_CUDA_ARCHS
+#define FPG_CUDA_ARCHS ""
+#endif
+#ifndef FPG_WITH_CUDA
+#define FPG_WITH_CUDA 0
+#endif
+#ifndef FPG_DEBUG
+#define FPG_DEBUG 0
+#endif
+
+static PyObject* compiled_build_info(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:s,s:s,s:s,s:O,s:O}", "torch", FPG_TORCH_VERSION, "cuda",
+                       FPG_CUDA_VERSION, "cuda_archs", FPG_CUDA_ARCHS, "with_cuda",
+                       FPG_WITH_CUDA ? Py_True : Py_False, "debug",
+                       FPG_DEBUG ? Py_True : Py_False);
+}
+
+static PyMethodDef module_methods[] = {
+    {"compiled_build_info", compiled_build_info, METH_NOARGS,
+     "What this binary was built against: torch and CUDA versions, CUDA archs, debug."},
+    {nullptr, nullptr, 0, nullptr}};
+
+// Importing fused_pool_gelu._C loads this library, which runs the registrations above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
+                                          module_methods};
+  return PyModule_Create(&module_def);
+}

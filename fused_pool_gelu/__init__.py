@@ -1,0 +1,55 @@
+"""fused_pool_gelu: Linear -> AvgPool1d -> GELU -> scale -> max, folded and fused.
+
+    import fused_pool_gelu
+    model = fused_pool_gelu.ModelNew(8192, 8192, 16, 2.0)   # drop-in for Model
+    pooled_weight, pooled_bias = fused_pool_gelu.fold(weight, bias, 16)
+    out = torch.ops.fused_pool_gelu.forward(x, pooled_weight, pooled_bias, 2.0)
+"""
+
+import torch  # loads libtorch before the extension that links against it
+
+from ._version import __version__
+
+try:
+    from . import _C
+except ImportError as error:  # pragma: no cover - exercised by tests/test_build.py in a subprocess
+    raise ImportError(
+        "fused_pool_gelu: the compiled extension fused_pool_gelu._C could not be loaded "
+        f"({error}). The package must be built against the installed torch "
+        f"({torch.__version__}): from the source tree run `pip install --no-build-isolation .` "
+        "(or `make test`, which builds and installs a wheel). If you are running from the "
+        "source tree, run from another directory so that the installed package is imported."
+    ) from error
+
+from . import ops
+from .model import Model, ModelNew
+from .ops import fold, forward, forward_with_argmax
+
+__all__ = [
+    "__version__",
+    "build_info",
+    "fold",
+    "forward",
+    "forward_with_argmax",
+    "Model",
+    "ModelNew",
+    "ops",
+]
+
+
+def build_info() -> dict:
+    """What was compiled and what will run.
+
+    Keys: version; torch / cuda / cuda_archs / with_cuda / debug as compiled into the binary;
+    torch_runtime (the torch imported now); cuda_kernels (CUDA kernels registered);
+    cuda_available and device (the GPU that would run them, if any).
+    """
+    info = {"version": __version__}
+    info.update(_C.compiled_build_info())
+    info["torch_runtime"] = torch.__version__
+    info["cuda_kernels"] = torch._C._dispatch_has_kernel_for_dispatch_key(
+        "fused_pool_gelu::forward_with_argmax", "CUDA"
+    )
+    info["cuda_available"] = torch.cuda.is_available()
+    info["device"] = torch.cuda.get_device_name() if info["cuda_available"] else "cpu"
+    return info

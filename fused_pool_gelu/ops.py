@@ -1,0 +1,193 @@
+"""The operator contract, Python side: wrappers, fake (meta) kernels and autograd formulas.
+
+The schemas live in csrc/registration.cpp and the CPU/CUDA kernels next to them; this file is
+everything else torch needs: shapes for tracing (register_fake) and derivatives
+(register_autograd). The derivatives use the arg-max backward of DESIGN.md: no dense GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["fold", "forward", "forward_with_argmax"]
+
+_ops = torch.ops.fused_pool_gelu
+
+
+def fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int) -> Tuple[Tensor, Tensor]:
+    """Fold Linear(K, O) -> AvgPool1d(k) into one Linear(K, O // k).
+
+    Returns ``(pooled_weight [O // k, K], pooled_bias [O // k])``: the means of each group of k
+    consecutive rows (AvgPool1d floor: the ``O % k`` tail rows are dropped). ``pooled_bias`` is
+    zeros when ``bias`` is None. Differentiable in ``weight`` and ``bias``.
+    """
+    return _ops.fold(weight, bias, pool_kernel_size)
+
+
+def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float) -> Tensor:
+    """``out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n])`` on the pooled weight.
+
+    x ``[B, K]`` (any strides), weight ``[N, K]`` (the pooled weight from :func:`fold`),
+    bias ``[N]`` or None. Exact-erf GELU; max with torch.max semantics (a NaN in a row makes
+    that row NaN). Differentiable in x, weight and bias.
+    """
+    return _ops.forward(x, weight, bias, scale)
+
+
+def forward_with_argmax(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`forward` plus the arg-max index and the pre-activation there.
+
+    Returns ``(out [B], argmax [B] int64, preactivation [B])`` with
+    ``preactivation[b] = x[b] . weight[argmax[b]] + bias[argmax[b]]``. Ties go to the smallest
+    index; in a row holding NaN, the first NaN.
+    """
+    return _ops.forward_with_argmax(x, weight, bias, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake kernels: output metadata only, with the shape checks of csrc/checks.h so that tracing
+# fails the way eager does.
+
+
+def _check(cond, message):
+    torch._check(cond, lambda: f"fused_pool_gelu.{message}")
+
+
+@torch.library.register_fake("fused_pool_gelu::fold")
+def _fold_fake(weight, bias, pool_kernel_size):
+    _check(weight.dim() == 2, f"fold: weight must be 2-D [out_features, in_features], got shape {list(weight.shape)}")
+    _check(pool_kernel_size >= 1, f"fold: pool_kernel_size must be >= 1, got {pool_kernel_size}")
+    _check(
+        pool_kernel_size <= weight.shape[0],
+        f"fold: pool_kernel_size must be <= out_features ({weight.shape[0]}), got {pool_kernel_size}",
+    )
+    if bias is not None:
+        _check(
+            bias.dim() == 1 and bias.shape[0] == weight.shape[0],
+            f"fold: bias must be 1-D [out_features] = [{weight.shape[0]}], got shape {list(bias.shape)}",
+        )
+    pooled = weight.shape[0] // pool_kernel_size
+    return weight.new_empty((pooled, weight.shape[1])), weight.new_empty((pooled,))
+
+
+@torch.library.register_fake("fused_pool_gelu::fold_backward")
+def _fold_backward_fake(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size):
+    return (
+        grad_pooled_weight.new_empty((out_features, grad_pooled_weight.shape[1])),
+        grad_pooled_weight.new_empty((out_features,)),
+    )
+
+
+def _check_forward_shapes(x, weight, bias):
+    _check(x.dim() == 2, f"forward: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
+    _check(
+        weight.dim() == 2 and weight.shape[1] == x.shape[1],
+        f"forward: weight must be 2-D [pooled_features, in_features] with in_features = "
+        f"x.size(1) = {x.shape[1]}, got shape {list(weight.shape)}",
+    )
+    _check(weight.shape[0] >= 1, "forward: weight must have at least one row (pooled feature)")
+    if bias is not None:
+        _check(
+            bias.dim() == 1 and bias.shape[0] == weight.shape[0],
+            f"forward: bias must be 1-D [pooled_features] = [{weight.shape[0]}], got shape {list(bias.shape)}",
+        )
+
+
+@torch.library.register_fake("fused_pool_gelu::forward_with_argmax")
+def _forward_with_argmax_fake(x, weight, bias, scale):
+    _check_forward_shapes(x, weight, bias)
+    batch = x.shape[0]
+    return x.new_empty((batch,)), x.new_empty((batch,), dtype=torch.long), x.new_empty((batch,))
+
+
+@torch.library.register_fake("fused_pool_gelu::forward_backward")
+def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale):
+    _check_forward_shapes(x, weight, None)
+    return (
+        x.new_empty(x.shape),
+        weight.new_empty(weight.shape),
+        weight.new_empty((weight.shape[0],)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd. fold and fold_backward are adjoint linear maps, so each is the other's derivative
+# (double backward of the fold comes for free). forward_with_argmax's derivative is the arg-max
+# backward; `forward` is CompositeImplicitAutograd over forward_with_argmax and needs nothing.
+
+
+def _fold_setup_context(ctx, inputs, output):
+    weight, bias, pool_kernel_size = inputs
+    ctx.out_features = weight.shape[0]
+    ctx.pool_kernel_size = pool_kernel_size
+    ctx.has_bias = bias is not None
+
+
+def _fold_backward(ctx, grad_pooled_weight, grad_pooled_bias):
+    grad_weight, grad_bias = _ops.fold_backward(
+        grad_pooled_weight, grad_pooled_bias, ctx.out_features, ctx.pool_kernel_size
+    )
+    return grad_weight, (grad_bias if ctx.has_bias else None), None
+
+
+torch.library.register_autograd(
+    "fused_pool_gelu::fold", _fold_backward, setup_context=_fold_setup_context
+)
+
+
+def _fold_backward_setup_context(ctx, inputs, output):
+    ctx.pool_kernel_size = inputs[3]
+
+
+def _fold_backward_backward(ctx, grad_grad_weight, grad_grad_bias):
+    ggw, ggb = _ops.fold(grad_grad_weight, grad_grad_bias, ctx.pool_kernel_size)
+    return ggw, ggb, None, None
+
+
+torch.library.register_autograd(
+    "fused_pool_gelu::fold_backward",
+    _fold_backward_backward,
+    setup_context=_fold_backward_setup_context,
+)
+
+
+def _forward_setup_context(ctx, inputs, output):
+    x, weight, bias, scale = inputs
+    _, argmax, preactivation = output
+    ctx.save_for_backward(x, weight, argmax, preactivation)
+    ctx.scale = scale
+    ctx.has_bias = bias is not None
+
+
+def _forward_backward(ctx, grad_out, grad_argmax, grad_preactivation):
+    x, weight, argmax, preactivation = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = _ops.forward_backward(
+        grad_out, grad_preactivation, x, weight, argmax, preactivation, ctx.scale
+    )
+    return grad_x, grad_weight, (grad_bias if ctx.has_bias else None), None
+
+
+torch.library.register_autograd(
+    "fused_pool_gelu::forward_with_argmax",
+    _forward_backward,
+    setup_context=_forward_setup_context,
+)
+
+
+def _forward_backward_backward(ctx, *grads):
+    raise RuntimeError(
+        "fused_pool_gelu.forward_backward: double backward (gradients of gradients of forward) "
+        "is not supported"
+    )
+
+
+torch.library.register_autograd(
+    "fused_pool_gelu::forward_backward",
+    _forward_backward_backward,
+    setup_context=lambda ctx, inputs, output: None,
+)

@@ -1,0 +1,134 @@
+"""Build fused_pool_gelu._C: CUDA kernels when possible, the CPU kernels always.
+
+Knobs (environment variables):
+  FUSED_POOL_GELU_CUDA   auto (default): build the CUDA kernels when torch is a CUDA build and a
+                         CUDA toolkit is found; 1: require them (fail otherwise); 0: CPU only.
+  CUDA_HOME              the CUDA toolkit (default: /usr/local/cuda when it holds bin/nvcc).
+  TORCH_CUDA_ARCH_LIST   architectures to compile for (default "8.0;9.0a": the portable sm_80
+                         kernels run on Ampere, Ada and Hopper; 9.0a adds the Hopper build).
+  MAX_JOBS               parallel compile jobs (ninja).
+  NVCC_THREADS           nvcc --threads per job (default 2).
+  DEBUG=1                -O0 -g host code, -lineinfo device code, device asserts on.
+
+The decision is made from torch.version.cuda and the toolkit on disk, never from
+torch.cuda.is_available(): a build machine usually has no GPU.
+"""
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_ARCH_LIST = "8.0;9.0a"
+
+
+def _version() -> str:
+    text = (ROOT / "fused_pool_gelu" / "_version.py").read_text()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)
+
+
+def _find_cuda_home():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        return home if (Path(home) / "bin" / "nvcc").exists() else None
+    default = Path("/usr/local/cuda")
+    return str(default) if (default / "bin" / "nvcc").exists() else None
+
+
+def _want_cuda(torch_cuda, cuda_home) -> bool:
+    mode = os.environ.get("FUSED_POOL_GELU_CUDA", "auto").lower()
+    if mode in ("0", "false", "no", "off"):
+        return False
+    found = torch_cuda is not None and cuda_home is not None
+    if mode in ("1", "true", "yes", "on") and not found:
+        why = (
+            "torch is a CPU-only build (torch.version.cuda is None); install a CUDA build of torch"
+            if torch_cuda is None
+            else "no CUDA toolkit found: set CUDA_HOME to a directory holding bin/nvcc"
+        )
+        sys.exit(f"fused_pool_gelu: FUSED_POOL_GELU_CUDA=1 but {why}.")
+    return found
+
+
+def _extension():
+    try:
+        import torch
+    except ImportError:
+        sys.exit(
+            "fused_pool_gelu: building needs torch in the build environment. Install torch first, "
+            "then build without isolation: pip install --no-build-isolation ."
+        )
+
+    cuda_home = _find_cuda_home()
+    with_cuda = _want_cuda(torch.version.cuda, cuda_home)
+    if with_cuda:
+        # torch.utils.cpp_extension reads CUDA_HOME when imported: set it first, so that a
+        # wrapper `nvcc` on PATH cannot mislead its guess.
+        os.environ["CUDA_HOME"] = cuda_home
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    debug = os.environ.get("DEBUG", "0") == "1"
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else ""
+    macros = [
+        ("FPG_TORCH_VERSION", f'"{torch.__version__}"'),
+        ("FPG_CUDA_VERSION", f'"{torch.version.cuda if with_cuda else ""}"'),
+        ("FPG_CUDA_ARCHS", f'"{archs}"'),
+        ("FPG_WITH_CUDA", "1" if with_cuda else "0"),
+        ("FPG_DEBUG", "1" if debug else "0"),
+    ]
+    host_flags = ["-O0", "-g"] if debug else ["-O3"]
+    host_flags += ["-fdiagnostics-color=always"]
+    sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
+    sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))]
+    if not with_cuda:
+        return CppExtension(
+            "fused_pool_gelu._C",
+            sources,
+            include_dirs=[str(ROOT / "csrc")],
+            define_macros=macros,
+            extra_compile_args={"cxx": host_flags},
+            py_limited_api=True,
+        )
+
+    nvcc_flags = [
+        "-O3",
+        # IEEE float32 on the device: denormals kept, exact division and square root.
+        "-ftz=false",
+        "-prec-div=true",
+        "-prec-sqrt=true",
+        "--expt-relaxed-constexpr",
+        f"--threads={os.environ.get('NVCC_THREADS', '2')}",
+        "-Xptxas=-warn-spills",
+    ]
+    nvcc_flags += ["-lineinfo"] + (["-DFPG_DEVICE_ASSERTS=1"] if debug else [])
+    sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cuda").glob("*.cu"))]
+    return CUDAExtension(
+        "fused_pool_gelu._C",
+        sources,
+        include_dirs=[str(ROOT / "csrc")],
+        define_macros=macros,
+        extra_compile_args={"cxx": host_flags, "nvcc": nvcc_flags},
+        py_limited_api=True,
+    )
+
+
+def _build_ext():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return BuildExtension.with_options(no_python_abi_suffix=True)
+
+
+setup(
+    name="fused_pool_gelu",
+    version=_version(),
+    packages=find_packages(include=["fused_pool_gelu", "fused_pool_gelu.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": _build_ext()},
+    # The module stub uses only the stable C API (py_limited_api above): one wheel serves every
+    # CPython >= 3.9 with the torch it was built against.
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
