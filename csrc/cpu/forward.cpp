@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 namespace fused_pool_gelu {
@@ -23,9 +24,14 @@ namespace {
 // enough that BLAS runs near its peak on the K = 8192 reduction.
 constexpr int64_t kRowsPerBlock = 256;
 
+// scale * gelu(z), with a non-finite pre-activation giving NaN. Why: the reference reaches Inf
+// through the unpooled rows (the mean of +Inf and -Inf rows is NaN there, a finite weight mean here),
+// and torch's own float32 GELU maps +-Inf to NaN, so no Inf result could be matched exactly; NaN
+// says that the row overflowed. See "Non-finite inputs" in README.md.
 template <typename scalar_t>
-scalar_t gelu(scalar_t z) {
-  return scalar_t(0.5) * z * (scalar_t(1) + std::erf(z * scalar_t(M_SQRT1_2)));
+scalar_t activation(scalar_t z, scalar_t scale) {
+  if (!std::isfinite(z)) return std::numeric_limits<scalar_t>::quiet_NaN();
+  return scalar_t(0.5) * z * (scalar_t(1) + std::erf(z * scalar_t(M_SQRT1_2))) * scale;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
@@ -60,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
           int64_t best_n = -1;
           for (int64_t n = 0; n < pooled; ++n) {
             const scalar_t z = z_row[n] + (bias_ptr ? bias_ptr[n] : scalar_t(0));
-            const scalar_t v = gelu(z) * s;
+            const scalar_t v = activation(z, s);
             if (best_n < 0 || v > best || (std::isnan(v) && !std::isnan(best))) {
               best = v;
               best_z = z;

@@ -1,0 +1,42 @@
+# The two commands of the README, each setting itself up on a fresh machine:
+#   make run    venv + torch, build and install the wheel, run `python -m fused_pool_gelu`
+#   make test   venv + torch, build the wheel, install it, run pytest against the INSTALLED package
+# Knobs: PYTHON, VENV, TORCH_SPEC, CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS (see setup.py).
+
+PYTHON ?= python3
+VENV ?= .venv
+CUDA_HOME ?= /usr/local/cuda
+# A CUDA build of torch where a toolkit exists (so the CUDA kernels are compiled, even on a
+# machine without a GPU); the CPU build otherwise.
+TORCH_SPEC ?= $(if $(wildcard $(CUDA_HOME)/bin/nvcc),torch==2.14.1,torch==2.13.0)
+MAX_JOBS ?= 2
+PYTEST_ARGS ?=
+
+BIN := $(abspath $(VENV))/bin
+STAMP := $(VENV)/.deps-$(subst =,-,$(TORCH_SPEC))
+export CUDA_HOME MAX_JOBS
+
+.PHONY: run test wheel install clean
+
+$(STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=23" "setuptools>=64" wheel
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy ninja pytest hypothesis expecttest
+	touch $@
+
+wheel: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m pip wheel -q --no-build-isolation --no-deps -w dist .
+
+install: wheel
+	$(BIN)/python -m pip install -q --force-reinstall --no-deps dist/fused_pool_gelu-*.whl
+
+# Run from tests/ so that `import fused_pool_gelu` finds the installed wheel, not the source tree.
+test: install
+	cd tests && $(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) .
+
+run: install
+	cd tests && $(BIN)/python -m fused_pool_gelu
+
+clean:
+	rm -rf build dist *.egg-info $(VENV)
