@@ -137,4 +137,12 @@ inline void check_forward_backward_inputs(const c10::optional<at::Tensor>& grad_
   }
 }
 
+inline bool is_reduced_float(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+}
+
+inline c10::optional<at::Tensor> to_float(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? c10::optional<at::Tensor>(t->to(at::kFloat)) : c10::nullopt;
+}
+
 }  // namespace fused_pool_gelu

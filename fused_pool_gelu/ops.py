@@ -191,3 +191,33 @@ torch.library.register_autograd(
     _forward_backward_backward,
     setup_context=lambda ctx, inputs, output: None,
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# Autocast. The reference block's Linear runs in autocast's lower-precision dtype (bfloat16 or
+# float16) and everything after it stays in that dtype, so under autocast forward_with_argmax casts
+# its floating inputs to the autocast dtype of their device and returns outputs in that dtype
+# (accumulating in float32 inside). fold is a mean, which autocast leaves alone, like AvgPool1d.
+
+
+def _make_autocast_kernel(device_type):
+    def kernel(keyset, x, weight, bias, scale):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(t):
+            return t.to(dtype) if t is not None and t.is_floating_point() else t
+
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            return _ops.forward_with_argmax(cast(x), cast(weight), cast(bias), scale)
+
+    return kernel
+
+
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCUDA
+)
+_autocast_lib = torch.library.Library("fused_pool_gelu", "IMPL")
+for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+    _autocast_lib.impl(
+        "forward_with_argmax", _make_autocast_kernel(_device_type), _key, with_keyset=True
+    )

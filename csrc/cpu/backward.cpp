@@ -8,6 +8,7 @@
 // O(B*K + N*K) work instead of the dense backward's two GEMMs. The scatter-add is made
 // deterministic by giving each thread a disjoint range of columns and walking the rows in order.
 #include "checks.h"
+#include "cpu/dtypes.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -34,7 +35,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cpu(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& argmax,
     const at::Tensor& preactivation, double scale) {
   check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation);
-  check_dtype_in("forward_backward", "x", x, {at::kFloat, at::kDouble}, "float32 or float64");
+  check_dtype_in("forward_backward", "x", x, kCpuDtypes, kCpuDtypesText);
+  if (is_reduced_float(x)) {
+    auto [grad_x, grad_weight, grad_bias] = forward_backward_cpu(
+        to_float(grad_out), to_float(grad_preactivation), x.to(at::kFloat), weight.to(at::kFloat),
+        argmax, preactivation.to(at::kFloat), scale);
+    const auto dtype = x.scalar_type();
+    return {grad_x.to(dtype), grad_weight.to(dtype), grad_bias.to(dtype)};
+  }
   const int64_t batch = x.size(0);
   const int64_t in_features = x.size(1);
   const int64_t pooled = weight.size(0);

@@ -4,6 +4,7 @@
 //   mean_r (x . W[n*k + r] + b[n*k + r]) = x . mean_r W[n*k + r] + mean_r b[n*k + r].
 // Rows N*k .. O-1 (the O % k tail, dropped by AvgPool1d's floor) never reach the output.
 #include "checks.h"
+#include "cpu/dtypes.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -16,8 +17,6 @@
 
 namespace fused_pool_gelu {
 namespace {
-
-constexpr const char* kCpuDtypes = "float32 or float64";
 
 // Rows of `dst` [rows, cols] are means of k consecutive rows of `src` (row stride src_stride).
 // Columns are the inner loop, so each group is streamed once and vectorizes.
@@ -42,7 +41,11 @@ std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
                                             const c10::optional<at::Tensor>& bias,
                                             int64_t pool_kernel_size) {
   check_fold_inputs(weight, bias, pool_kernel_size);
-  check_dtype_in("fold", "weight", weight, {at::kFloat, at::kDouble}, kCpuDtypes);
+  check_dtype_in("fold", "weight", weight, kCpuDtypes, kCpuDtypesText);
+  if (is_reduced_float(weight)) {
+    auto [pooled_weight, pooled_bias] = fold_cpu(weight.to(at::kFloat), to_float(bias), pool_kernel_size);
+    return {pooled_weight.to(weight.scalar_type()), pooled_bias.to(weight.scalar_type())};
+  }
   const int64_t k = pool_kernel_size;
   const int64_t pooled = weight.size(0) / k;
   const int64_t in_features = weight.size(1);
@@ -87,8 +90,15 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_cpu(const at::Tensor& grad_pool
                                                      int64_t out_features,
                                                      int64_t pool_kernel_size) {
   check_fold_backward_inputs(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size);
-  check_dtype_in("fold_backward", "grad_pooled_weight", grad_pooled_weight,
-                 {at::kFloat, at::kDouble}, kCpuDtypes);
+  check_dtype_in("fold_backward", "grad_pooled_weight", grad_pooled_weight, kCpuDtypes,
+                 kCpuDtypesText);
+  if (is_reduced_float(grad_pooled_weight)) {
+    const auto dtype = grad_pooled_weight.scalar_type();
+    auto [grad_weight, grad_bias] =
+        fold_backward_cpu(grad_pooled_weight.to(at::kFloat), grad_pooled_bias.to(at::kFloat),
+                          out_features, pool_kernel_size);
+    return {grad_weight.to(dtype), grad_bias.to(dtype)};
+  }
   const int64_t k = pool_kernel_size;
   const int64_t pooled = grad_pooled_weight.size(0);
   const int64_t in_features = grad_pooled_weight.size(1);

@@ -4,6 +4,7 @@
 // blocks of rows so the [rows, N] product stays a cache-sized scratch tile instead of a [B, N]
 // tensor, and one fused pass over each tile does bias + GELU + scale + max + arg-max.
 #include "checks.h"
+#include "cpu/dtypes.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -38,7 +39,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     double scale) {
   check_forward_inputs(x, weight, bias);
-  check_dtype_in("forward", "x", x, {at::kFloat, at::kDouble}, "float32 or float64");
+  check_dtype_in("forward", "x", x, kCpuDtypes, kCpuDtypesText);
+  if (is_reduced_float(x)) {
+    // float16 / bfloat16 (e.g. under autocast): computed in float32, rounded once at the end.
+    auto [out, argmax, pre] = forward_with_argmax_cpu(x.to(at::kFloat), weight.to(at::kFloat),
+                                                      to_float(bias), scale);
+    return {out.to(x.scalar_type()), argmax, pre.to(x.scalar_type())};
+  }
   const int64_t batch = x.size(0);
   const int64_t pooled = weight.size(0);
   at::Tensor out = at::empty({batch}, x.options());
