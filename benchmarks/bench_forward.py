@@ -1,0 +1,112 @@
+"""Forward (inference) benchmark: every impl in one process, under torch.no_grad().
+
+    python benchmarks/bench_forward.py                      # H200: B in {1,16,128,1024,4096}, K=O=8192
+    python benchmarks/bench_forward.py --skip-compile       # no torch.compile peers (fast)
+    python benchmarks/bench_forward.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile --out /tmp/r.json
+
+Impls (weights from torch.manual_seed(seed); Model(K, O, k, s), the same for all):
+  ref_eager     Model (nn.Linear -> AvgPool1d -> gelu -> * s -> max)
+  ref_compile   torch.compile(Model)
+  fold_eager    F.linear on pre-folded pooled weights + gelu * s + max (PyTorch ops)
+  fold_compile  torch.compile of that function
+  ours_op       torch.ops.fused_pool_gelu.forward on pre-folded weights (fused_pool_gelu.fold)
+  ours_model    fused_pool_gelu.ModelNew (eager; the fold is cached under no_grad)
+Each row: median time (us), rel err and max abs err vs a float64 Model run of the same weights,
+allclose (atol = rtol = 1e-4 in float32) vs the float32 Model.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import common
+
+RUN_ORDER = ["ref_eager", "fold_eager", "ours_op", "ours_model", "fold_compile", "ref_compile"]
+IMPLS = [i for i in common.IMPL_ORDER if i in RUN_ORDER]
+
+
+def build_ref_eager(ctx):
+    model = ctx.model_copy(requires_grad=False)
+    return model
+
+
+def build_ref_compile(ctx):
+    model = ctx.model_copy(requires_grad=False)
+    return torch.compile(model, **ctx.compile_kwargs)
+
+
+def _pooled_torch(ctx):
+    w, b = ctx.master.matmul.weight.detach(), ctx.master.matmul.bias.detach()
+    pooled_weight, pooled_bias = ctx.torch_fold(w, b)
+    return pooled_weight.contiguous(), pooled_bias.contiguous()
+
+
+def build_fold_eager(ctx):
+    pooled_weight, pooled_bias = _pooled_torch(ctx)
+    fn = ctx.folded_forward_fn()
+    return lambda x: fn(x, pooled_weight, pooled_bias)
+
+
+def build_fold_compile(ctx):
+    pooled_weight, pooled_bias = _pooled_torch(ctx)
+    fn = torch.compile(ctx.folded_forward_fn(), **ctx.compile_kwargs)
+    return lambda x: fn(x, pooled_weight, pooled_bias)
+
+
+def build_ours_op(ctx):
+    import fused_pool_gelu
+
+    w, b = ctx.master.matmul.weight.detach(), ctx.master.matmul.bias.detach()
+    pooled_weight, pooled_bias = fused_pool_gelu.fold(w, b, ctx.k)
+    op, scale = torch.ops.fused_pool_gelu.forward, ctx.scale
+    return lambda x: op(x, pooled_weight, pooled_bias, scale)
+
+
+def build_ours_model(ctx):
+    import fused_pool_gelu
+
+    return fused_pool_gelu.ModelNew.from_model(ctx.master)
+
+
+BUILDERS = {
+    "ref_eager": build_ref_eager,
+    "ref_compile": build_ref_compile,
+    "fold_eager": build_fold_eager,
+    "fold_compile": build_fold_compile,
+    "ours_op": build_ours_op,
+    "ours_model": build_ours_model,
+}
+
+
+def make_reference(ctx, model64, x):
+    return {"out64": model64(x.double()), "out_ref": ctx.master(x)}
+
+
+def measure(ctx, fn, x, ref, time_us):
+    x = ctx.mark_batch_dynamic(x)
+    t0 = time.perf_counter()
+    fn(x)  # compiles (compile peers), folds and caches (ours_model)
+    common.synchronize(ctx.device)
+    first_call_s = time.perf_counter() - t0
+    out = fn(x)  # the steady-state path is the one checked
+    common.synchronize(ctx.device)
+    row = common.error_metrics(out, ref["out64"])
+    tol = common.ALLCLOSE_TOL[ctx.args.dtype]
+    row["allclose_ref"] = bool(torch.allclose(out.to(ref["out_ref"].dtype), ref["out_ref"], atol=tol, rtol=tol))
+    del out
+    row["median_us"] = time_us(lambda: fn(x))
+    row["first_call_s"] = round(first_call_s, 3)
+    return row
+
+
+def main(argv=None) -> int:
+    args = common.parse_args("forward", IMPLS, default_deadline_s=220.0, argv=argv)
+    with torch.no_grad():
+        return common.run_benchmark("forward", args, BUILDERS, RUN_ORDER, make_reference, measure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,706 @@
+"""Shared machinery of bench_forward.py, bench_train.py and plot.py.
+
+One process times every implementation ("impl") on the same weights and inputs:
+  * CUDA: ``triton.testing.do_bench(fn, warmup, rep, return_mode="median")``, which flushes L2
+    (256 MB memset) before every timed run, as KernelBench does. Without triton, an equivalent
+    CUDA-event timer (same flush, same warm-up and repeat rule) is used and the results say so.
+  * CPU: median of repeated ``time.perf_counter`` runs (for testing the scripts only).
+
+Every impl is checked against a float64 run of the reference Model with the same weights
+(``rel_err_fp64 = ||out - ref64|| / ||ref64||``, ``max_abs_err``) and against the float32 Model
+(``allclose_ref`` with atol = rtol = 1e-4 in float32).
+
+Results are merged into ``benchmarks/results/<gpu>.json``:
+    {"device", "date", "torch", "rows": [row, ...], "runs": {run_id: metadata}}
+a row: {"impl", "mode", "B", "median_us", "rel_err_fp64", "max_abs_err", "peak_mem_mb" (train),
+        ... plus K, O, k, scale, dtype, date, run_id, error}.
+A new row replaces an old one with the same impl, mode, B and shape (K, O, k, scale, dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+# Display order (table columns, plot legend).
+IMPL_ORDER = ["ref_eager", "ref_compile", "fold_eager", "fold_compile", "ours_op", "ours_model"]
+PEERS = ("ref_eager", "ref_compile", "fold_eager", "fold_compile")
+OURS = ("ours_op", "ours_model")
+COMPILED = ("ref_compile", "fold_compile")
+MODES = ("forward", "train")
+
+DEFAULT_BATCHES = [1, 16, 128, 1024, 4096]
+DEFAULT_SHAPE = dict(K=8192, O=8192, k=16, scale=2.0, dtype="float32")
+
+# A peer counts as "float32-accurate" (eligible as the best peer in the speedup column) when its
+# relative error against float64 is at most this. Float32 cuBLAS/compile peers measure ~3e-7 at
+# the default shape; single-pass TF32 measures ~1e-4 (BASELINE.md). Applies to float32 runs only.
+ACCURATE_REL_ERR = 1e-5
+
+# The contract's tolerance against the reference run in the same dtype.
+ALLCLOSE_TOL = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+# ----------------------------------------------------------------------------------------------
+# Small utilities (no torch needed: plot.py uses them on a machine without a GPU)
+
+
+def slug(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def log(message: str, start: Optional[float] = None) -> None:
+    prefix = f"[{time.perf_counter() - start:7.1f}s] " if start is not None else ""
+    print(prefix + message, flush=True)
+
+
+def finite_or_none(value):
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def config_key(row: dict) -> tuple:
+    return (row.get("K"), row.get("O"), row.get("k"), row.get("scale"), row.get("dtype"))
+
+
+def row_key(row: dict) -> tuple:
+    return (row["impl"], row["mode"], row["B"]) + config_key(row)
+
+
+def impl_sort_key(name: str):
+    return (IMPL_ORDER.index(name), name) if name in IMPL_ORDER else (len(IMPL_ORDER), name)
+
+
+def is_accurate(row: dict, threshold: float = ACCURATE_REL_ERR) -> bool:
+    """Float32-accurate: measured, and rel err vs float64 <= threshold (any error for non-fp32)."""
+    if row.get("median_us") is None:
+        return False
+    if row.get("dtype", "float32") != "float32":
+        return True
+    err = row.get("rel_err_fp64")
+    return err is not None and err <= threshold
+
+
+# ----------------------------------------------------------------------------------------------
+# Results file
+
+
+# Field order of a row in the JSON file (other fields follow).
+ROW_FIELDS = [
+    "impl", "mode", "B", "median_us", "rel_err_fp64", "max_abs_err", "peak_mem_mb",
+    "peak_mem_total_mb", "allclose_ref", "grad_rel_err_fp64", "first_call_s",
+    "K", "O", "k", "scale", "dtype", "date", "run_id", "error",
+]
+
+
+def normalize_row(row: dict) -> dict:
+    """Canonical field order; the schema's fields present (None when not measured)."""
+    row = dict(row)
+    for key in ("median_us", "rel_err_fp64", "max_abs_err"):
+        row.setdefault(key, None)
+    if row.get("mode") == "train":
+        row.setdefault("peak_mem_mb", None)
+    ordered = {k: row[k] for k in ROW_FIELDS if k in row}
+    ordered.update({k: v for k, v in row.items() if k not in ordered})
+    return ordered
+
+
+def load_results(path: Path) -> dict:
+    path = Path(path)
+    if path.exists():
+        with open(path) as f:
+            return json.load(f)
+    return {"rows": []}
+
+
+def merge_rows(path: Path, rows: List[dict], header: dict, mode: str, run_meta: dict) -> dict:
+    """Merge ``rows`` into the results file at ``path`` (atomic replace) and return the data."""
+    path = Path(path)
+    data = load_results(path)
+    data.update(header)
+    new_keys = {row_key(r) for r in rows}
+    kept = [r for r in data.get("rows", []) if row_key(r) not in new_keys]
+    merged = [normalize_row(r) for r in kept + rows]
+    merged.sort(
+        key=lambda r: (
+            MODES.index(r["mode"]) if r["mode"] in MODES else 9,
+            tuple(str(v) for v in config_key(r)),
+            r["B"],
+            impl_sort_key(r["impl"]),
+        )
+    )
+    data["rows"] = merged
+    # Metadata of every run that still has rows, keyed by run_id (rows carry their run_id).
+    runs = data.get("runs") if isinstance(data.get("runs"), dict) else {}
+    runs[run_meta["run_id"]] = dict(run_meta, mode=mode)
+    live = {r.get("run_id") for r in merged}
+    data["runs"] = {k: v for k, v in sorted(runs.items()) if k in live}
+    ordered = {k: data[k] for k in ("device", "date", "torch") if k in data}
+    ordered.update({k: v for k, v in data.items() if k not in ordered})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(ordered, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    return ordered
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown tables
+
+
+def _fmt_us(us: Optional[float]) -> str:
+    if us is None:
+        return "-"
+    return f"{us:.0f}" if us >= 10000 else f"{us:.1f}"
+
+
+def _index(rows: List[dict]) -> Dict[tuple, dict]:
+    return {(r["impl"], r["B"]): r for r in rows}
+
+
+def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL_ERR) -> str:
+    """Time table (+ speedup of ours over the best float32-accurate peer), accuracy table and,
+    for training, peak memory. ``rows``: one mode, one shape (K, O, k, scale, dtype)."""
+    rows = [r for r in rows if r["mode"] == mode]
+    if not rows:
+        return ""
+    impls = sorted({r["impl"] for r in rows}, key=impl_sort_key)
+    batches = sorted({r["B"] for r in rows})
+    index = _index(rows)
+    ours = [i for i in impls if i in OURS]
+    peers = [i for i in impls if i in PEERS]
+    out = []
+
+    # --- time
+    header = ["B"] + [f"{i} (us)" for i in impls]
+    if ours and peers:
+        header += ["best fp32 peer (us)"] + [f"{i} speedup" for i in ours]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "---|" * len(header))
+    any_inexact = False
+    for b in batches:
+        cells = [str(b)]
+        for impl in impls:
+            r = index.get((impl, b))
+            if r is None:
+                cells.append("-")
+            elif r.get("median_us") is None:
+                cells.append("error" if r.get("error") else "-")
+            else:
+                mark = ""
+                if not is_accurate(r, threshold):
+                    mark, any_inexact = "*", True
+                cells.append(_fmt_us(r["median_us"]) + mark)
+        if ours and peers:
+            cands = [index[(p, b)] for p in peers if (p, b) in index and is_accurate(index[(p, b)], threshold)]
+            best = min(cands, key=lambda r: r["median_us"]) if cands else None
+            cells.append(f"{_fmt_us(best['median_us'])} ({best['impl']})" if best else "-")
+            for impl in ours:
+                r = index.get((impl, b))
+                if best is None or r is None or r.get("median_us") is None:
+                    cells.append("-")
+                else:
+                    mark = "" if is_accurate(r, threshold) else "*"
+                    cells.append(f"{best['median_us'] / r['median_us']:.2f}x{mark}")
+        out.append("| " + " | ".join(cells) + " |")
+    if any_inexact:
+        out.append("")
+        out.append(
+            f"\\* relative error vs float64 above {threshold:g} (not float32-accurate): "
+            "excluded from the best peer."
+        )
+
+    # --- accuracy
+    out.append("")
+    out.append(
+        "Relative error ||out - ref64|| / ||ref64|| against float64"
+        + (" (forward output of the step)" if mode == "train" else "")
+        + ":"
+    )
+    out.append("")
+    out.append("| B | " + " | ".join(impls) + " |")
+    out.append("|" + "---|" * (len(impls) + 1))
+    for b in batches:
+        cells = [str(b)]
+        for impl in impls:
+            r = index.get((impl, b))
+            err = None if r is None else r.get("rel_err_fp64")
+            cells.append("-" if err is None else f"{err:.1e}")
+        out.append("| " + " | ".join(cells) + " |")
+
+    # --- peak memory (train)
+    if mode == "train" and any(r.get("peak_mem_mb") is not None for r in rows):
+        out.append("")
+        out.append("Peak memory of one step (MB: parameters + input + all the step allocates):")
+        out.append("")
+        out.append("| B | " + " | ".join(impls) + " |")
+        out.append("|" + "---|" * (len(impls) + 1))
+        for b in batches:
+            cells = [str(b)]
+            for impl in impls:
+                r = index.get((impl, b))
+                mem = None if r is None else r.get("peak_mem_mb")
+                cells.append("-" if mem is None else f"{mem:.0f}")
+            out.append("| " + " | ".join(cells) + " |")
+
+    errors = [r for r in rows if r.get("error")]
+    if errors:
+        out.append("")
+        for r in sorted(errors, key=lambda r: (impl_sort_key(r["impl"]), r["B"])):
+            out.append(f"- {r['impl']} B={r['B']}: {r['error'].splitlines()[0][:200]}")
+    return "\n".join(out)
+
+
+def shape_text(row: dict) -> str:
+    return (
+        f"K = {row.get('K')}, O = {row.get('O')}, k = {row.get('k')}, s = {row.get('scale')}, "
+        f"{row.get('dtype')}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Everything below needs torch.
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def default_results_path(device) -> Path:
+    return RESULTS_DIR / f"{slug(device_name(device))}.json"
+
+
+def git_revision() -> Optional[str]:
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(BENCH_DIR), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10,
+        )
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(BENCH_DIR), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        )
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        return None
+
+
+def make_timer(device, warmup_ms: float, rep_ms: float):
+    """Returns (time_us(fn) -> median microseconds, description)."""
+    if device.type == "cuda":
+        try:
+            import triton
+            from triton.testing import do_bench
+        except ImportError:
+            return (
+                lambda fn: _cuda_event_bench(fn, warmup_ms, rep_ms) * 1e3,
+                "CUDA events (triton missing; do_bench's rule: 256 MB L2 flush per run), median",
+            )
+        return (
+            lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3,
+            f"triton.testing.do_bench (triton {triton.__version__}, L2 flushed), median",
+        )
+    return (lambda fn: _cpu_bench(fn, warmup_ms, rep_ms) * 1e3, "time.perf_counter, median")
+
+
+def _cuda_event_bench(fn, warmup_ms: float, rep_ms: float) -> float:
+    """triton.testing.do_bench's procedure with torch only; returns the median in ms."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        cache.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    n_warmup, n_repeat = max(1, int(warmup_ms / estimate)), max(1, int(rep_ms / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    for _ in range(n_warmup):
+        fn()
+    for i in range(n_repeat):
+        cache.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _cpu_bench(fn, warmup_ms: float, rep_ms: float, max_runs: int = 1000) -> float:
+    """Median wall time in ms: warm up for warmup_ms (>= 1 run), then time >= 3 runs for rep_ms."""
+    t_end = time.perf_counter() + warmup_ms / 1e3
+    fn()
+    while time.perf_counter() < t_end:
+        fn()
+    times = []
+    t_end = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def error_metrics(out, ref64) -> dict:
+    """rel_err_fp64 = ||out - ref64|| / ||ref64|| (2-norm over all elements), max_abs_err."""
+    diff = out.detach().double() - ref64
+    ref_norm = ref64.norm().item()
+    diff_norm = diff.norm().item()
+    rel = diff_norm / ref_norm if ref_norm > 0 else diff_norm
+    max_abs = diff.abs().max().item() if diff.numel() else 0.0
+    return {"rel_err_fp64": finite_or_none(rel), "max_abs_err": finite_or_none(max_abs)}
+
+
+def rel_err(a, ref64) -> Optional[float]:
+    if a is None or ref64 is None:
+        return None
+    diff = (a.detach().double() - ref64).norm().item()
+    ref_norm = ref64.norm().item()
+    return finite_or_none(diff / ref_norm if ref_norm > 0 else diff)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line and the benchmark driver
+
+
+def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, argv=None):
+    p = argparse.ArgumentParser(
+        description=f"fused_pool_gelu {mode} benchmark: all impls timed in one process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--batches", type=int, nargs="+", default=DEFAULT_BATCHES, help="batch sizes B")
+    p.add_argument("--in-features", "-K", type=int, default=DEFAULT_SHAPE["K"])
+    p.add_argument("--out-features", "-O", type=int, default=DEFAULT_SHAPE["O"])
+    p.add_argument("--pool", "-k", type=int, default=DEFAULT_SHAPE["k"], help="pool kernel size")
+    p.add_argument("--scale", type=float, default=DEFAULT_SHAPE["scale"])
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_SHAPE["dtype"])
+    p.add_argument("--impls", nargs="+", choices=impl_choices, default=impl_choices,
+                   help="subset of impls to run")
+    p.add_argument("--skip-compile", action="store_true",
+                   help="leave out the torch.compile peers (" + ", ".join(COMPILED) + ")")
+    p.add_argument("--compile-mode", default=None,
+                   help='torch.compile mode for the compile peers (e.g. "max-autotune-no-cudagraphs")')
+    p.add_argument("--compile-dynamic", action="store_true",
+                   help="compile once with a dynamic batch dim (default: dynamic=False, one "
+                        "static compile per B, reusing one torch.compile object per impl)")
+    p.add_argument("--warmup", type=float, default=100.0, help="warm-up time per measurement (ms)")
+    p.add_argument("--rep", type=float, default=500.0, help="timed repetition time per measurement (ms)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="weights: torch.manual_seed(seed); x for batch B: torch.rand with seed + B")
+    p.add_argument("--deadline-s", type=float, default=default_deadline_s,
+                   help="skip (impl, B) pairs not started this many seconds after start; "
+                        "results so far are saved (0: no deadline)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results JSON to merge into (default: benchmarks/results/<gpu>.json)")
+    p.add_argument("--no-save", action="store_true", help="print only, write no results file")
+    args = p.parse_args(argv)
+    if args.skip_compile:
+        args.impls = [i for i in args.impls if i not in COMPILED]
+    return args
+
+
+def resolve_device(name: Optional[str]):
+    import torch
+
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: no CUDA device is available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+class Context:
+    """Harness state shared by all impls of one run: shape, device, the reference weights."""
+
+    def __init__(self, args, device):
+        import torch
+
+        import fused_pool_gelu
+
+        self.args = args
+        self.device = device
+        self.dtype = torch_dtype(args.dtype)
+        self.K, self.O, self.k, self.scale = args.in_features, args.out_features, args.pool, args.scale
+        self.N = self.O // self.k
+        torch.manual_seed(args.seed)
+        # Built on the CPU exactly like the tests' Model(*args) after manual_seed, then moved.
+        master = fused_pool_gelu.Model(self.K, self.O, self.k, self.scale)
+        self.master = master.to(device=device, dtype=self.dtype)
+        self.compile_kwargs = {"dynamic": None if args.compile_dynamic else False}
+        if args.compile_mode:
+            self.compile_kwargs["mode"] = args.compile_mode
+
+    def make_x(self, batch: int):
+        """x ~ torch.rand(B, K), seeded per B (on the device's generator), in the run's dtype."""
+        import torch
+
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.args.seed + batch)
+        x = torch.rand(batch, self.K, device=self.device, generator=gen, dtype=torch.float32)
+        return x.to(self.dtype)
+
+    def mark_batch_dynamic(self, x):
+        if self.args.compile_dynamic and x.shape[0] > 1:
+            import torch
+
+            torch._dynamo.mark_dynamic(x, 0)
+        return x
+
+    def model_copy(self, requires_grad: bool):
+        model = copy.deepcopy(self.master)
+        for p in model.parameters():
+            p.requires_grad_(requires_grad)
+        return model
+
+    def torch_fold(self, weight, bias):
+        """Pooled weight and bias in plain PyTorch (view + mean: differentiable)."""
+        n, k = self.N, self.k
+        pooled_weight = weight[: n * k].view(n, k, weight.shape[1]).mean(dim=1)
+        pooled_bias = bias[: n * k].view(n, k).mean(dim=1)
+        return pooled_weight, pooled_bias
+
+    def folded_forward_fn(self):
+        """F.linear on pooled weights + gelu * s + max, as a plain function of (x, Wp, bp)."""
+        import torch
+        import torch.nn.functional as F
+
+        scale = self.scale
+
+        def folded_forward(x, pooled_weight, pooled_bias):
+            y = F.gelu(F.linear(x, pooled_weight, pooled_bias)) * scale
+            return torch.max(y, dim=1).values
+
+        return folded_forward
+
+
+def configure_compile() -> None:
+    import torch._dynamo
+
+    # One static graph per batch size and impl: stay well under the recompile limit (default 8).
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+            break
+
+
+def run_benchmark(
+    mode: str,
+    args,
+    builders: Dict[str, Callable],
+    run_order: List[str],
+    make_reference: Callable,
+    measure: Callable,
+) -> int:
+    """Time every impl of ``args.impls`` (in ``run_order``) at every B; merge into the results file.
+
+    builders[impl](ctx) -> impl object (built once per impl, reused across B; freed after).
+    make_reference(ctx, x) -> dict of references for one B (float64 run, float32 Model run).
+    measure(ctx, impl_obj, x, ref, time_us) -> dict of row fields (median_us, errors, ...).
+    Returns 0: a failing impl is reported in its rows and in the output, and the run goes on
+    (so that `bench_forward.py; bench_train.py; plot.py` chains never stop half-way).
+    """
+    import torch
+
+    start = time.perf_counter()
+    device = resolve_device(args.device)
+    import fused_pool_gelu
+
+    info = fused_pool_gelu.build_info()
+    dev_name = device_name(device)
+    log(f"fused_pool_gelu {info.get('version')} on {dev_name}; torch {torch.__version__}; "
+        f"CUDA kernels compiled in: {info.get('cuda_kernels')}", start)
+    if device.type == "cuda":
+        log(f"float32 matmul precision: {torch.get_float32_matmul_precision()} "
+            "(\"highest\": no TF32 in the peers' cuBLAS calls)", start)
+    time_us, timer_desc = make_timer(device, args.warmup, args.rep)
+    log(f"timer: {timer_desc}; warmup {args.warmup:g} ms, rep {args.rep:g} ms", start)
+    configure_compile()
+
+    out_path = None if args.no_save else (args.out or default_results_path(device))
+    run_id = now_iso()
+    shape = {"K": args.in_features, "O": args.out_features, "k": args.pool,
+             "scale": args.scale, "dtype": args.dtype}
+    header = {"device": dev_name, "date": run_id, "torch": torch.__version__}
+    run_meta = {
+        "run_id": run_id,
+        "date": run_id,
+        "timer": timer_desc,
+        "warmup_ms": args.warmup,
+        "rep_ms": args.rep,
+        "seed": args.seed,
+        "shape": shape,
+        "batches": args.batches,
+        "impls": args.impls,
+        "compile": {"dynamic": not not args.compile_dynamic, "mode": args.compile_mode},
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "fused_pool_gelu": info,
+        "git": git_revision(),
+        "argv": sys.argv[1:],
+        "accurate_rel_err": ACCURATE_REL_ERR,
+    }
+    try:
+        import triton
+
+        run_meta["triton"] = triton.__version__
+    except ImportError:
+        run_meta["triton"] = None
+
+    ctx = Context(args, device)
+    log(f"shape: B in {args.batches}, {shape_text(shape)}; seed {args.seed}", start)
+
+    # References for every B, then the float64 model is freed.
+    log("building float64 references ...", start)
+    model64 = copy.deepcopy(ctx.master).to(torch.float64)
+    cases = {}
+    for b in args.batches:
+        x = ctx.make_x(b)
+        cases[b] = (x, make_reference(ctx, model64, x))
+    del model64
+    free_memory(device)
+    log("references done", start)
+
+    rows: List[dict] = []
+    failures = 0
+    order = [i for i in run_order if i in args.impls]
+
+    def save():
+        if out_path is not None and rows:
+            merge_rows(out_path, rows, header, mode, run_meta)
+
+    for impl in order:
+        impl_obj = None
+        try:
+            impl_obj = builders[impl](ctx)
+        except Exception as error:  # noqa: BLE001 - report and continue
+            msg = f"{type(error).__name__}: {error}"
+            log(f"{impl}: could not build: {msg.splitlines()[0][:300]}", start)
+            traceback.print_exc(limit=-4)
+            for b in args.batches:
+                rows.append(dict(impl=impl, mode=mode, B=b, median_us=None, **shape,
+                                 date=run_id, run_id=run_id, error=msg[:1000]))
+            failures += 1
+            save()
+            continue
+        for b in args.batches:
+            if args.deadline_s and time.perf_counter() - start > args.deadline_s:
+                log(f"{impl} B={b}: skipped (past --deadline-s {args.deadline_s:g}; not saved)", start)
+                continue
+            x, ref = cases[b]
+            row = dict(impl=impl, mode=mode, B=b, **shape, date=run_id, run_id=run_id)
+            try:
+                row.update(measure(ctx, impl_obj, x, ref, time_us))
+                synchronize(device)
+                row["error"] = None
+                log(_progress(impl, b, row), start)
+            except Exception as error:  # noqa: BLE001 - report and continue
+                msg = f"{type(error).__name__}: {error}"
+                row.update(median_us=None, error=msg[:1000])
+                log(f"{impl} B={b}: FAILED: {msg.splitlines()[0][:300]}", start)
+                traceback.print_exc(limit=-4)
+                failures += 1
+                free_memory(device)
+            rows.append(row)
+            save()  # after every row: a run killed by a time limit keeps what it measured
+        del impl_obj
+        if impl in COMPILED:
+            torch._dynamo.reset()
+        free_memory(device)
+
+    print()
+    print(f"## {mode}: {dev_name}, {run_id}, torch {torch.__version__}, {shape_text(shape)}")
+    print()
+    print(markdown_tables(rows, mode))
+    print()
+    if out_path is not None:
+        log(f"results merged into {out_path}", start)
+    if failures:
+        log(f"WARNING: {failures} impl/batch measurement(s) failed; see the error rows above", start)
+    log("done", start)
+    return 0
+
+
+def _progress(impl: str, b: int, row: dict) -> str:
+    parts = [f"{impl} B={b}: {_fmt_us(row.get('median_us'))} us"]
+    if row.get("rel_err_fp64") is not None:
+        parts.append(f"rel_err {row['rel_err_fp64']:.1e}")
+    if row.get("max_abs_err") is not None:
+        parts.append(f"max_abs {row['max_abs_err']:.1e}")
+    if row.get("allclose_ref") is not None:
+        parts.append("allclose ok" if row["allclose_ref"] else "NOT allclose")
+    if row.get("peak_mem_mb") is not None:
+        parts.append(f"peak {row['peak_mem_mb']:.0f} MB")
+    if row.get("grad_rel_err_fp64"):
+        g = row["grad_rel_err_fp64"]
+        parts.append("grad rel_err " + " ".join(
+            f"{k}={'-' if v is None else format(v, '.1e')}" for k, v in g.items()))
+    if row.get("first_call_s") is not None and row["first_call_s"] > 1.0:
+        parts.append(f"(first call {row['first_call_s']:.1f} s)")
+    return ", ".join(parts)

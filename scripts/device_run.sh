@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build from source there, then the requested stages.
+#   scripts/device_run.sh build test sanitize bench-ours bench-forward bench-train
+# Logs go to $OUT (the device tool brings them back); a short summary prints last.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/fpg-out}
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+
+# run_stage NAME DIR CMD...: run CMD in DIR (tests and benchmarks run outside the source tree, so
+# that the installed package is imported), log to $OUT/NAME.log.
+run_stage() {
+  local name=$1 dir=$2; shift 2
+  local start=$SECONDS
+  (cd "$dir" && "$@") > "$OUT/$name.log" 2>&1
+  local rc=$?
+  note "$name rc=$rc $((SECONDS - start))s"
+  tail -n 25 "$OUT/$name.log"
+  return $rc
+}
+
+for stage in "$@"; do
+  case $stage in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+      run_stage build "$ROOT" env MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST="8.0;9.0a" \
+        FUSED_POOL_GELU_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -v . || break
+      ;;
+    test)
+      run_stage test "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -m "cuda and not slow" --timeout=180 \
+        --durations=10 .
+      ;;
+    test-all)
+      run_stage test-all "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q --timeout=300 --durations=10 .
+      ;;
+    sanitize)
+      run_stage sanitize "$ROOT/tests" bash "$ROOT/scripts/sanitize.sh"
+      ;;
+    bench-ours)
+      run_stage bench-ours /tmp python3 "$ROOT/benchmarks/bench_forward.py" --skip-compile \
+        --impls fold_eager ours_op ours_model --out "$OUT/bench-ours.json"
+      ;;
+    bench-forward)
+      run_stage bench-forward /tmp python3 "$ROOT/benchmarks/bench_forward.py" --out "$OUT/results.json"
+      ;;
+    bench-train)
+      run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" --out "$OUT/results.json"
+      ;;
+    *) note "unknown stage $stage" ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,32 @@
+"""A small workload that runs every CUDA kernel once, for compute-sanitizer (scripts/sanitize.sh).
+
+Shapes are small (the tools slow kernels down 10-100x) but odd, so that every tail path, the
+small-batch and the tensor-core forward paths, the misaligned slow path and the backward all run.
+"""
+
+import torch
+
+import fused_pool_gelu as fpg
+
+torch.manual_seed(0)
+device = "cuda"
+cases = [  # (batch, in_features, out_features, pool_kernel_size)
+    (1, 257, 96, 16),      # small batch, K % 4 != 0 (padded slow path), O % k == 0
+    (3, 64, 50, 7),        # O % k != 0: tail rows dropped
+    (300, 520, 1030, 4),   # tensor-core path with M, N, K tails
+    (1024, 256, 512, 16),  # tensor-core path, full tiles
+]
+for batch, k_in, o, k in cases:
+    model = fpg.ModelNew(k_in, o, k, 2.0).to(device)
+    x = torch.rand(batch, k_in, device=device, requires_grad=True)
+    out = model(x)
+    out.sum().backward()
+    with torch.no_grad():
+        misaligned = torch.rand(batch, k_in + 1, device=device)[:, 1:]
+        model(misaligned)
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.no_grad():
+            model.to(dtype)(x.detach().to(dtype))
+        model.float()
+torch.cuda.synchronize()
+print("sanitize case: ok")
