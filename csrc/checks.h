@@ -72,6 +72,10 @@ inline void check_fold_backward_inputs(const at::Tensor& grad_pooled_weight,
   check_rank(op, "grad_pooled_weight", grad_pooled_weight, 2, "[pooled_features, in_features]");
   TORCH_CHECK(pool_kernel_size >= 1, "fused_pool_gelu.fold_backward: pool_kernel_size must be >= 1, got ",
               pool_kernel_size);
+  // Checked on its own: -k < out_features < 0 would pass the row count test below (C++ division
+  // truncates toward zero).
+  TORCH_CHECK(out_features >= 0, "fused_pool_gelu.fold_backward: out_features must be >= 0, got ",
+              out_features);
   TORCH_CHECK(out_features / pool_kernel_size == grad_pooled_weight.size(0),
               "fused_pool_gelu.fold_backward: grad_pooled_weight must have out_features // "
               "pool_kernel_size = ", out_features / pool_kernel_size, " rows, got shape ",

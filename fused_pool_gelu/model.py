@@ -91,11 +91,19 @@ class ModelNew(nn.Module):
             and all(ref() is p for ref, p in zip(cache[0], params))
         ):
             return cache[2], cache[3]
-        with torch.no_grad():
+        # Plain tensors even when called under inference_mode: a frozen model cached there must
+        # still serve later calls whose x requires grad (autograd cannot save inference tensors).
+        with torch.inference_mode(False), torch.no_grad():
             pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
         # One assignment of a whole entry: concurrent callers see either the old or the new one.
         self._fold_cache = (tuple(weakref.ref(p) for p in params), stamp, pooled_weight, pooled_bias)
         return pooled_weight, pooled_bias
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .half() / .cuda() may swap storages through `param.data = ...`, which keeps the
+        # version counter, and a caching allocator can hand the old address back: refold.
+        self._fold_cache = None
+        return super()._apply(fn, *args, **kwargs)
 
     def _fold_in_graph(self) -> bool:
         if torch.compiler.is_compiling():

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace fused_pool_gelu {
 namespace cuda {
@@ -31,5 +32,75 @@ __host__ __device__ constexpr T ceil_div(T a, T b) {
   return (a + b - 1) / b;
 }
 
+// 16 bytes is the widest global load/store one thread can issue (LDG.E.128 / STG.E.128).
+constexpr int kVectorBytes = 16;
+
+// Elements of T in one 16-byte access: 4 floats, 8 halves or bfloat16s.
+template <typename T>
+constexpr int vector_width() {
+  return kVectorBytes / static_cast<int>(sizeof(T));
+}
+
+// VEC elements that move between global memory and registers as one aligned access. Callers check
+// on the host that every address they use is a multiple of sizeof(AlignedVector) (is_aligned).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) AlignedVector {
+  T val[VEC];
+};
+
+// One access of VEC elements at p (VEC == 1 is a plain scalar access). 16-byte accesses are
+// written in PTX: nvcc 13 split a plain 16-byte struct store into four 4-byte stores when the
+// column index came out of a 64-bit division (seen in the PTX of fold_backward), and that would
+// quarter the store instructions' width on a purely store-bound kernel. The loads use ld.global.nc
+// (the read-only path): every caller reads an input that no thread writes during the kernel.
+// Both are volatile so that the compiler never speculates one out of the bounds check guarding it.
+template <typename T, int VEC>
+__device__ __forceinline__ AlignedVector<T, VEC> load_vector(const T* p) {
+  AlignedVector<T, VEC> v;
+  if constexpr (sizeof(v) == 16) {
+    uint4 bits;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(bits.x), "=r"(bits.y), "=r"(bits.z), "=r"(bits.w)
+        : "l"(__cvta_generic_to_global(p)));
+    memcpy(&v, &bits, sizeof(v));
+  } else {
+    v = *reinterpret_cast<const AlignedVector<T, VEC>*>(p);
+  }
+  return v;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vector(T* p, const AlignedVector<T, VEC>& v) {
+  if constexpr (sizeof(v) == 16) {
+    uint4 bits;
+    memcpy(&bits, &v, sizeof(v));
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(p)),
+                 "r"(bits.x), "r"(bits.y), "r"(bits.z), "r"(bits.w)
+                 : "memory");
+  } else {
+    *reinterpret_cast<AlignedVector<T, VEC>*>(p) = v;
+  }
+}
+
+inline bool is_aligned(const void* ptr, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
+}
+
+// Blocks of `per_block` work items covering `items`, checked against gridDim.x's 2^31 - 1 limit.
+inline unsigned int grid_blocks(int64_t items, int64_t per_block) {
+  const int64_t blocks = ceil_div(items, per_block);
+  TORCH_CHECK(blocks <= int64_t{0x7fffffff}, "fused_pool_gelu: ", items,
+              " work items need more than 2^31 - 1 CUDA blocks");
+  return static_cast<unsigned int>(blocks);
+}
+
 }  // namespace cuda
 }  // namespace fused_pool_gelu
+
+// AT_DISPATCH over the dtypes the CUDA kernels are built for: float32, float16, bfloat16 (the
+// caller includes <ATen/Dispatch.h>). Not AT_DISPATCH_FLOATING_TYPES_AND2: that would also compile
+// float64 kernels that no check lets through.
+#define FPG_DISPATCH_CUDA_FLOATING_TYPES(TYPE, NAME, ...)                       \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)              \
+                             AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))

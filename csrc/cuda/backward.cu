@@ -1,0 +1,357 @@
+// forward_backward on CUDA: the arg-max backward of forward_with_argmax (DESIGN.md, "Backward:
+// only the arg-max carries gradient"). No GEMM, only O(B*K + N*K) memory traffic:
+//
+//   dz[b]          = grad_out[b] * scale * gelu'(preactivation[b]) + grad_preactivation[b]
+//                    (each term only when given; fp32, scale rounded to float first)
+//   grad_x[b, :]   = dz[b] * weight[argmax[b], :]                         a gather
+//   grad_weight[n] = sum over rows b with argmax[b] == n, in increasing b, of dz[b] * x[b, :]
+//   grad_bias[n]   = sum over the same rows of dz[b]
+//
+// Determinism: no atomics. The rows are grouped by arg-max with a stable sort (ATen, on the device,
+// no host sync), segment boundaries come from searchsorted, and each grad_weight element is one
+// thread's sequential sum over its segment in sorted = increasing-b order. Every product dz*x is
+// rounded to float before it is added (no FMA contraction): given the same dz, the result is
+// bit-for-bit the naive left-to-right float loop (dz itself may differ from a CPU's in the last
+// bits, through erf and exp).
+//
+// Arg-max values outside [0, N) can only come from a caller passing garbage, and checking them on
+// the host would need a device-to-host sync. The kernels never read out of bounds instead: such a
+// row gets NaN in grad_x (loud, not silently zero) and contributes nothing to grad_weight and
+// grad_bias (the sort puts it before segment 0 or after segment N-1, outside every segment).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/searchsorted.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "checks.h"
+#include "cuda/common.cuh"
+
+namespace fused_pool_gelu {
+namespace cuda {
+namespace {
+
+constexpr int kWarpSize = 32;
+
+// grad_x: 8 warps per block, the usual size for a streaming kernel (several blocks per SM, small
+// tail). Each warp owns one row b and a run of kWarpSize * kGatherVectorsPerLane 16-byte vectors.
+constexpr int kGatherThreads = 256;
+
+// 16-byte weight loads each lane issues before its first store: 4 x 16 B x ~1500 resident threads
+// (40 registers) = ~96 KB in flight per SM, several times what DRAM latency needs (~23 KB per SM
+// for 4.3 TB/s at ~0.7 us), and dz (an erf and an exp) is
+// evaluated once per 4 vectors instead of once per vector. More would leave lanes idle at small K.
+constexpr int kGatherVectorsPerLane = 4;
+
+// Segment reduction: a block owns kSegmentThreads columns (one per thread: scalar loads, a warp
+// reads 128 contiguous bytes of a row) of kSegmentsPerBlock consecutive segments, and stages up to
+// kSegmentThreads of their rows at a time (row offset and dz) in shared memory.
+constexpr int kSegmentThreads = 256;
+
+// Segments per block. Consecutive segments are consecutive in sorted order, so a block walks one
+// contiguous run of rows and pays the latency chain (segment starts -> row indices -> dz -> x) once
+// per tile of rows, not once per segment, and loads of neighbouring segments' rows overlap. One
+// block per segment would be 16384 blocks at the default shape (N = 512, K = 8192), most of them
+// for empty segments, each ~1 us of dependent latency: ~31 waves. 16 gives 32 x 32 = 1024 blocks,
+// about two waves, while the rows of 16 segments in one block stay few next to the longest segment.
+constexpr int kSegmentsPerBlock = 16;
+static_assert(kSegmentsPerBlock + 1 <= kSegmentThreads, "one thread stages each segment start");
+
+// x loads each thread issues before it adds any of them. When most rows pick the same n (the
+// realistic case: at the default shape and data, 47 distinct arg-maxes, the largest taking 279 of
+// 1024 rows), few blocks do most of the work and the bytes in flight per block are
+// kSegmentThreads * 4 B * kSegmentRowsInFlight = 32 KiB (float32); 1 MiB over the 32 blocks of
+// one segment at K = 8192. It costs 32 registers per thread.
+constexpr int kSegmentRowsInFlight = 32;
+
+constexpr const char* kDtypeText = "float32, float16 or bfloat16";
+
+// The 1-D inputs that define dz[b]; the optional ones are nullptr when None. Any strides: an
+// upstream gradient of out.sum() arrives as an expanded (stride 0) tensor.
+template <typename scalar_t>
+struct DzInputs {
+  const scalar_t* grad_out;
+  int64_t grad_out_stride;
+  const scalar_t* grad_preactivation;
+  int64_t grad_preactivation_stride;
+  const scalar_t* preactivation;
+  int64_t preactivation_stride;
+  float scale;
+};
+
+// dz[b] in float, evaluated as (g * s) * gelu'(z) + gp. __fmul_rn / __fadd_rn forbid FMA
+// contraction, so the two kernels that evaluate it get the same bits for the same row.
+template <typename scalar_t>
+__device__ __forceinline__ float row_dz(const DzInputs<scalar_t>& in, int64_t b) {
+  float dz = 0.0f;
+  if (in.grad_out != nullptr) {
+    const float z = static_cast<float>(in.preactivation[b * in.preactivation_stride]);
+    const float g = static_cast<float>(in.grad_out[b * in.grad_out_stride]);
+    dz = __fmul_rn(__fmul_rn(g, in.scale), gelu_grad(z));
+  }
+  if (in.grad_preactivation != nullptr) {
+    dz = __fadd_rn(dz, static_cast<float>(in.grad_preactivation[b * in.grad_preactivation_stride]));
+  }
+  return dz;
+}
+
+// grad_x[b, :] = dz[b] * weight[argmax[b], :]. Warp w covers row b = w / warps_per_row and the
+// vectors (w % warps_per_row) * kWarpSize * kGatherVectorsPerLane + u * kWarpSize + lane, so every
+// load and store instruction of a warp touches 512 contiguous bytes. A row whose arg-max is out of
+// [0, pooled) is written as NaN and its weight row is never read.
+// VEC > 1 requires w_stride1 == 1, 16-byte aligned weight rows and in_features % VEC == 0.
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kGatherThreads)
+    grad_x_kernel(DzInputs<scalar_t> dz_in, const int64_t* __restrict__ argmax,
+                  int64_t argmax_stride, const scalar_t* __restrict__ weight, int64_t w_stride0,
+                  int64_t w_stride1, scalar_t* __restrict__ grad_x, int64_t batch, int64_t pooled,
+                  int64_t in_features, int64_t warps_per_row) {
+  constexpr int kVectorsPerWarp = kWarpSize * kGatherVectorsPerLane;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kGatherThreads + threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  if (warp >= batch * warps_per_row) return;
+  const int64_t b = warp / warps_per_row;
+  const int64_t first_vec = (warp - b * warps_per_row) * kVectorsPerWarp + lane;
+  scalar_t* out_row = grad_x + b * in_features;
+
+  const int64_t n = argmax[b * argmax_stride];
+  if (n < 0 || n >= pooled) {
+    AlignedVector<scalar_t, VEC> nan_vec;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      nan_vec.val[j] = static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN());
+    }
+#pragma unroll
+    for (int u = 0; u < kGatherVectorsPerLane; ++u) {
+      const int64_t col = (first_vec + u * kWarpSize) * VEC;
+      if (col < in_features) store_vector<scalar_t, VEC>(out_row + col, nan_vec);
+    }
+    return;
+  }
+
+  const scalar_t* w_row = weight + n * w_stride0;
+  AlignedVector<scalar_t, VEC> w[kGatherVectorsPerLane];
+#pragma unroll
+  for (int u = 0; u < kGatherVectorsPerLane; ++u) {
+    const int64_t col = (first_vec + u * kWarpSize) * VEC;
+    if (col < in_features) w[u] = load_vector<scalar_t, VEC>(w_row + col * w_stride1);
+  }
+  const float dz = row_dz(dz_in, b);  // overlaps the loads above
+#pragma unroll
+  for (int u = 0; u < kGatherVectorsPerLane; ++u) {
+    const int64_t col = (first_vec + u * kWarpSize) * VEC;
+    if (col < in_features) {
+      AlignedVector<scalar_t, VEC> out;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        out.val[j] = static_cast<scalar_t>(dz * static_cast<float>(w[u].val[j]));
+      }
+      store_vector<scalar_t, VEC>(out_row + col, out);
+    }
+  }
+}
+
+// Block (group, chunk): grad_weight[n, chunk*kSegmentThreads + t] for thread t and every n of the
+// group's segments first_seg .. first_seg + num_segs - 1, and grad_bias[n] by thread 0 of chunk 0
+// (chunks >= 1 even for in_features == 0, so the bias is always written). Segment n is
+// order[segment_starts[n] .. segment_starts[n+1]): the rows b with argmax[b] == n in increasing b
+// (stable sort). The block walks the sorted positions of its segments in order, accumulating
+// acc += dz[b] * x[b, col] (each product rounded, no FMA) and storing acc when a segment ends, so
+// empty segments get zeros and grad_weight needs no memset.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSegmentThreads)
+    segment_reduce_kernel(DzInputs<scalar_t> dz_in, const scalar_t* __restrict__ x,
+                          int64_t x_stride0, int64_t x_stride1, const int64_t* __restrict__ order,
+                          const int64_t* __restrict__ segment_starts,
+                          scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
+                          int64_t pooled, int64_t in_features, int64_t chunks) {
+  __shared__ int64_t seg_start[kSegmentsPerBlock + 1];  // segment_starts of the group's segments
+  __shared__ int64_t row_offset[kSegmentThreads];       // b * x_stride0 of the staged rows
+  __shared__ float row_dz_tile[kSegmentThreads];        // dz[b] of the staged rows
+
+  const int64_t group = blockIdx.x / chunks;
+  const int64_t chunk = blockIdx.x - group * chunks;
+  const int64_t first_seg = group * kSegmentsPerBlock;
+  const int num_segs = static_cast<int>(std::min<int64_t>(pooled - first_seg, kSegmentsPerBlock));
+  if (static_cast<int>(threadIdx.x) <= num_segs) {
+    seg_start[threadIdx.x] = segment_starts[first_seg + threadIdx.x];  // index <= pooled
+  }
+  const int64_t col = chunk * kSegmentThreads + threadIdx.x;
+  const bool has_col = col < in_features;
+  const bool writes_bias = chunk == 0 && threadIdx.x == 0;
+  const scalar_t* x_col = x + col * x_stride1;  // dereferenced only when has_col
+  __syncthreads();  // seg_start is staged
+  const int64_t begin = seg_start[0];
+  const int64_t end = seg_start[num_segs];
+
+  // Every thread runs the same control flow (segment boundaries are block-uniform); each keeps its
+  // column's sum and, redundantly, the bias sum, which only writes_bias stores.
+  int seg = 0;  // the local segment that the next row belongs to, or one that ends before it
+  float acc = 0.0f;
+  float bias_acc = 0.0f;
+  // Stores the finished local segment `seg` and starts the next one.
+  auto finish_segment = [&]() {
+    if (has_col) grad_weight[(first_seg + seg) * in_features + col] = static_cast<scalar_t>(acc);
+    if (writes_bias) grad_bias[first_seg + seg] = static_cast<scalar_t>(bias_acc);
+    acc = 0.0f;
+    bias_acc = 0.0f;
+    ++seg;
+  };
+  // Adds the staged rows i0 .. i0 + count - 1 (sorted positions tile + i0 ...). All loads are
+  // issued before the first add, so they overlap. kFull (count == kSegmentRowsInFlight) is the hot
+  // path: without a predicate per load ptxas issues all the loads back to back; with one per load
+  // (seen in the SASS) it runs out of predicate registers and interleaves loads and adds.
+  auto add_rows = [&](auto full, int64_t tile, int i0, int count) {
+    constexpr bool kFull = decltype(full)::value;
+    scalar_t vals[kSegmentRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kSegmentRowsInFlight; ++u) {
+      if ((kFull || u < count) && has_col) vals[u] = x_col[row_offset[i0 + u]];
+    }
+#pragma unroll
+    for (int u = 0; u < kSegmentRowsInFlight; ++u) {
+      if (kFull || u < count) {
+        // Segments ending at or before this row are complete (empty ones included). Stops at the
+        // row's own segment: tile + i0 + u < end = seg_start[num_segs], so seg < num_segs.
+        while (seg_start[seg + 1] <= tile + i0 + u) finish_segment();
+        const float dz = row_dz_tile[i0 + u];
+        if (has_col) acc = __fadd_rn(acc, __fmul_rn(dz, static_cast<float>(vals[u])));
+        bias_acc = __fadd_rn(bias_acc, dz);
+      }
+    }
+  };
+
+  for (int64_t tile = begin; tile < end; tile += kSegmentThreads) {
+    const int rows = static_cast<int>(std::min<int64_t>(end - tile, kSegmentThreads));
+    if (static_cast<int>(threadIdx.x) < rows) {
+      const int64_t b = order[tile + threadIdx.x];  // in [0, batch): a permutation index
+      row_offset[threadIdx.x] = b * x_stride0;
+      row_dz_tile[threadIdx.x] = row_dz(dz_in, b);
+    }
+    __syncthreads();  // the tile is staged
+    int i0 = 0;
+    for (; i0 + kSegmentRowsInFlight <= rows; i0 += kSegmentRowsInFlight) {
+      add_rows(std::true_type{}, tile, i0, kSegmentRowsInFlight);
+    }
+    if (i0 < rows) add_rows(std::false_type{}, tile, i0, rows - i0);
+    __syncthreads();  // every thread is done with the tile before the next one overwrites it
+  }
+  while (seg < num_segs) finish_segment();  // the last non-empty segment and empty ones after it
+}
+
+template <typename scalar_t>
+DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
+                                  const std::optional<at::Tensor>& grad_preactivation,
+                                  const at::Tensor& preactivation, double scale) {
+  DzInputs<scalar_t> in;
+  in.grad_out = grad_out.has_value() ? grad_out->const_data_ptr<scalar_t>() : nullptr;
+  in.grad_out_stride = grad_out.has_value() ? grad_out->stride(0) : 0;
+  in.grad_preactivation =
+      grad_preactivation.has_value() ? grad_preactivation->const_data_ptr<scalar_t>() : nullptr;
+  in.grad_preactivation_stride = grad_preactivation.has_value() ? grad_preactivation->stride(0) : 0;
+  in.preactivation = preactivation.const_data_ptr<scalar_t>();
+  in.preactivation_stride = preactivation.stride(0);
+  in.scale = static_cast<float>(scale);
+  return in;
+}
+
+template <typename scalar_t, int VEC>
+void launch_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
+                   const at::Tensor& weight, at::Tensor& grad_x) {
+  const int64_t batch = grad_x.size(0);
+  const int64_t in_features = grad_x.size(1);
+  const int64_t warps_per_row =
+      ceil_div<int64_t>(ceil_div<int64_t>(in_features, VEC), kWarpSize * kGatherVectorsPerLane);
+  grad_x_kernel<scalar_t, VEC>
+      <<<grid_blocks(batch * warps_per_row * kWarpSize, kGatherThreads), kGatherThreads, 0,
+         c10::cuda::getCurrentCUDAStream()>>>(
+          dz_in, argmax.const_data_ptr<int64_t>(), argmax.stride(0),
+          weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1),
+          grad_x.mutable_data_ptr<scalar_t>(), batch, weight.size(0), in_features, warps_per_row);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// True when weight rows can be read as 16-byte vectors and grad_x rows written as such.
+bool gather_is_vectorizable(const at::Tensor& weight, const at::Tensor& grad_x, int vec) {
+  return weight.size(1) % vec == 0 && weight.stride(1) == 1 && weight.stride(0) % vec == 0 &&
+         is_aligned(weight.const_data_ptr(), kVectorBytes) &&
+         is_aligned(grad_x.const_data_ptr(), kVectorBytes);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_preactivation,
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& argmax,
+    const at::Tensor& preactivation, double scale) {
+  check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation);
+  check_dtype_in("forward_backward", "x", x, {at::kFloat, at::kHalf, at::kBFloat16}, kDtypeText);
+  const c10::cuda::CUDAGuard device_guard(x.device());
+
+  const int64_t batch = x.size(0);
+  const int64_t in_features = x.size(1);
+  const int64_t pooled = weight.size(0);  // >= 1 (check_forward_inputs)
+  at::Tensor grad_x = at::empty({batch, in_features}, x.options());
+  if (batch == 0) {
+    return {grad_x, at::zeros({pooled, in_features}, weight.options()),
+            at::zeros({pooled}, weight.options())};
+  }
+  at::Tensor grad_weight = at::empty({pooled, in_features}, weight.options());
+  at::Tensor grad_bias = at::empty({pooled}, weight.options());
+
+  // Rows grouped by arg-max, increasing b within a group (stable); out-of-range values sort
+  // before 0 or after pooled - 1. segment_starts[n] = first sorted position with value >= n, so
+  // segment n is [segment_starts[n], segment_starts[n + 1]). Both ops run on the device.
+  const auto [sorted_argmax, order] =
+      at::sort(argmax, /*stable=*/std::optional<bool>(true), /*dim=*/0, /*descending=*/false);
+  const at::Tensor segment_starts =
+      at::searchsorted(sorted_argmax.contiguous(), at::arange(pooled + 1, argmax.options()),
+                       /*out_int32=*/false, /*right=*/false);
+  const at::Tensor order_contiguous = order.contiguous();
+
+  FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward_backward", [&] {
+    const DzInputs<scalar_t> dz_in =
+        make_dz_inputs<scalar_t>(grad_out, grad_preactivation, preactivation, scale);
+
+    if (in_features > 0) {
+      constexpr int kVec = vector_width<scalar_t>();
+      if (gather_is_vectorizable(weight, grad_x, kVec)) {
+        launch_grad_x<scalar_t, kVec>(dz_in, argmax, weight, grad_x);
+      } else {
+        launch_grad_x<scalar_t, 1>(dz_in, argmax, weight, grad_x);
+      }
+    }
+
+    // At least one chunk, so that in_features == 0 still writes grad_bias.
+    const int64_t chunks = std::max<int64_t>(ceil_div<int64_t>(in_features, kSegmentThreads), 1);
+    const int64_t groups = ceil_div<int64_t>(pooled, kSegmentsPerBlock);
+    segment_reduce_kernel<scalar_t>
+        <<<grid_blocks(groups * chunks, 1), kSegmentThreads, 0,
+           c10::cuda::getCurrentCUDAStream()>>>(
+            dz_in, x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1),
+            order_contiguous.const_data_ptr<int64_t>(), segment_starts.const_data_ptr<int64_t>(),
+            grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
+            pooled, in_features, chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {grad_x, grad_weight, grad_bias};
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
+  m.impl("forward_backward", &cuda::forward_backward_cuda);
+}
+
+}  // namespace fused_pool_gelu

@@ -1,0 +1,519 @@
+// CUDA forward_with_argmax: out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n]), with the
+// arg-max n and the pre-activation there (torch.max semantics: first index on ties, NaN wins).
+//
+// Two launches:
+//   1. a split-K GEMM writing fp32 partial sums to a workspace [splits, B, N]
+//      (forward_gemm.cuh: a SIMT GEMV for small B, a 3xTF32 tensor-core GEMM for larger B);
+//   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
+//      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
+//      (value, index, z) maximum.
+// No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
+// through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "checks.h"
+#include "common.cuh"
+#include "forward_gemm.cuh"
+
+namespace fused_pool_gelu {
+namespace cuda {
+namespace {
+
+namespace fg = forward_gemm;
+
+// ------------------------------------------------------------------------------------------------
+// Tuning knobs (first guesses for an H200; to be measured).
+// ------------------------------------------------------------------------------------------------
+
+// Batches up to this size take the SIMT GEMV (exact fp32 FMA; the weight is streamed once and the
+// FMA work, B x N x K, is still small next to it); larger ones the 3xTF32 tensor-core GEMM, whose
+// 128-row tiles are mostly padding below ~32 rows.
+constexpr int64_t kSimtMaxBatch = 32;
+
+// The SIMT GEMV aims at one full wave of resident CTAs (all weight loads in flight at once), but
+// at most this many CTAs per SM: more, smaller CTAs would only add split-K partials for the
+// epilogue to sum, and 4 x 256 threads x 128 B of loads per SM is already plenty in flight.
+constexpr int kSimtMaxCtasPerSm = 4;
+
+// Split-K of the tensor-core GEMM: the number of splits s minimizes waves(tiles x s) x ceil(k_tiles
+// / s), the time in k-tile steps of the slowest SM (ties -> fewer splits, less workspace). s is at
+// most kTcMaxSplits, leaves each split at least kTcMinKTilesPerSplit K tiles so the cp.async
+// pipeline (kTcStages deep) has work to overlap, and may not push the grid past kTcMaxSplitWaves
+// waves: splitting is for filling the GPU (B = 1024: 32 tiles -> 4 splits), not for shaving the
+// last partial wave of a grid that is already large (the workspace and epilogue grow with s).
+constexpr int64_t kTcMaxSplits = 64;
+constexpr int64_t kTcMinKTilesPerSplit = 8;
+constexpr int64_t kTcMaxSplitWaves = 4;
+
+// Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
+// partials of one row is spread over many threads; a warp per row once B alone fills the GPU
+// (8192 rows = 8192 warps = 64 per SM on 132 SMs).
+constexpr int kEpilogueThreads = 256;
+constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
+// Split partials loaded before they are added (in split order): memory-level parallelism per thread.
+constexpr int kEpilogueSplitBatch = 8;
+
+// Largest supported K (padded to a multiple of 4): offsets inside a row, plus two chunks of
+// look-ahead, must fit an int in the GEMV kernel.
+constexpr int64_t kMaxInFeatures = std::numeric_limits<int>::max() - 2 * fg::kSimtChunkK;
+
+// Grid limits.
+constexpr int64_t kMaxGridX = 2147483647;
+constexpr int64_t kMaxGridYZ = 65535;
+
+// ------------------------------------------------------------------------------------------------
+// Epilogue: bias + GELU + scale + row arg-max.
+// ------------------------------------------------------------------------------------------------
+
+struct EpilogueParams {
+  const float* partial;  // [splits, batch, n] (nullptr when splits == 0, i.e. K == 0)
+  int64_t split_stride;  // batch * n
+  int splits;
+  const float* bias;     // [n] or nullptr
+  float scale;
+  int64_t batch;
+  int64_t n;
+};
+
+// Does candidate a beat candidate b under torch.max's rule? NaN beats every number; between two
+// NaNs, or two equal numbers, the smaller index wins.
+__device__ __forceinline__ bool beats(float va, int64_t ia, float vb, int64_t ib) {
+  const bool a_nan = isnan(va);
+  const bool b_nan = isnan(vb);
+  if (a_nan || b_nan) return a_nan && (!b_nan || ia < ib);
+  return va > vb || (va == vb && ia < ib);
+}
+
+struct Candidate {
+  float value;
+  int64_t index;  // n; the sentinel N (loses to every real column) when empty
+  float z;
+
+  __device__ __forceinline__ void take_if_better(const Candidate& o) {
+    if (beats(o.value, o.index, value, index)) *this = o;
+  }
+  __device__ __forceinline__ Candidate shfl_xor(int mask) const {
+    return Candidate{__shfl_xor_sync(0xffffffffu, value, mask),
+                     static_cast<int64_t>(__shfl_xor_sync(
+                         0xffffffffu, static_cast<long long>(index), mask)),
+                     __shfl_xor_sync(0xffffffffu, z, mask)};
+  }
+};
+
+// Butterfly max over the warp: `beats` is a strict total order on distinct indices, so every
+// lane ends with the same winner.
+__device__ __forceinline__ Candidate warp_argmax(Candidate c) {
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask /= 2) c.take_if_better(c.shfl_xor(mask));
+  return c;
+}
+
+// z = partial[0][col] + partial[1][col] + ... (split order), loads issued kEpilogueSplitBatch at a time.
+__device__ __forceinline__ float sum_splits(const float* p, int64_t stride, int splits) {
+  if (splits == 0) return 0.f;
+  float z = __ldg(p);
+  int s = 1;
+  for (; s + kEpilogueSplitBatch <= splits; s += kEpilogueSplitBatch) {
+    float v[kEpilogueSplitBatch];
+#pragma unroll
+    for (int i = 0; i < kEpilogueSplitBatch; ++i) v[i] = __ldg(p + (s + i) * stride);
+#pragma unroll
+    for (int i = 0; i < kEpilogueSplitBatch; ++i) z += v[i];
+  }
+  for (; s < splits; ++s) z += __ldg(p + s * stride);
+  return z;
+}
+
+template <int kThreadsPerRow, typename out_t>
+__global__ void __launch_bounds__(kEpilogueThreads)
+    argmax_epilogue_kernel(const EpilogueParams p, out_t* __restrict__ out,
+                           int64_t* __restrict__ argmax, out_t* __restrict__ preactivation) {
+  static_assert(kThreadsPerRow == 32 || kThreadsPerRow == kEpilogueThreads, "warp or CTA per row");
+  constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
+  constexpr int kWarps = kEpilogueThreads / 32;
+
+  const int tid = threadIdx.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + tid / kThreadsPerRow;
+  const int col0 = tid % kThreadsPerRow;
+
+  Candidate best{-INFINITY, p.n, 0.f};
+  if (row < p.batch) {
+    const float* row_partial = p.partial + row * p.n;
+#pragma unroll 2
+    for (int64_t col = col0; col < p.n; col += kThreadsPerRow) {
+      float z = sum_splits(row_partial + col, p.split_stride, p.splits);
+      if (p.bias != nullptr) z += __ldg(p.bias + col);
+      // torch's order: gelu(z) first, then the product with scale. A non-finite pre-activation
+      // gives NaN, as in the CPU kernel (README "Non-finite values").
+      const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
+      if (beats(v, col, best.value, best.index)) best = Candidate{v, col, z};
+    }
+  }
+  best = warp_argmax(best);
+
+  if constexpr (kThreadsPerRow == kEpilogueThreads) {
+    __shared__ float s_value[kWarps];
+    __shared__ int64_t s_index[kWarps];
+    __shared__ float s_z[kWarps];
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    if (lane == 0) {
+      s_value[warp] = best.value;
+      s_index[warp] = best.index;
+      s_z[warp] = best.z;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    best = lane < kWarps ? Candidate{s_value[lane], s_index[lane], s_z[lane]}
+                         : Candidate{-INFINITY, p.n, 0.f};
+    best = warp_argmax(best);
+  }
+  if (col0 == 0 && row < p.batch) {
+    out[row] = static_cast<out_t>(best.value);
+    argmax[row] = best.index;
+    preactivation[row] = static_cast<out_t>(best.z);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side.
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kSimtBatchTiles[] = {1, 2, 4, 8, 16, 32};
+constexpr int kNumSimtBatchTiles = sizeof(kSimtBatchTiles) / sizeof(kSimtBatchTiles[0]);
+static_assert(kSimtBatchTiles[kNumSimtBatchTiles - 1] == fg::kSimtMaxBatchTile, "batch tiles");
+
+// Calls f(std::integral_constant<int, kSimtBatchTiles[i]>).
+template <typename F>
+void dispatch_simt_batch_tile(int i, F&& f) {
+  switch (i) {
+    case 0: f(std::integral_constant<int, 1>{}); break;
+    case 1: f(std::integral_constant<int, 2>{}); break;
+    case 2: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 8>{}); break;
+    case 4: f(std::integral_constant<int, 16>{}); break;
+    case 5: f(std::integral_constant<int, 32>{}); break;
+    default: TORCH_CHECK(false, "fused_pool_gelu.forward: internal error: batch tile index ", i);
+  }
+}
+
+template <typename Kernel>
+void set_max_dynamic_smem(Kernel kernel, int bytes) {
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <typename Kernel>
+int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
+  int ctas = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem_bytes));
+  return ctas;
+}
+
+// What the planners need to know about a device, computed once per device (this also raises the
+// kernels' dynamic shared memory limits there; those are per device).
+struct DeviceInfo {
+  int sms = 0;
+  int simt_ctas_per_sm[kNumSimtBatchTiles] = {};
+  // 0 when the 3xTF32 kernel does not fit (e.g. sm_86 / sm_89 give 99 KB of shared memory per
+  // block): every batch size then takes the SIMT kernel.
+  int tc_ctas_per_sm = 0;
+};
+
+const DeviceInfo& device_info(int device) {
+  static std::mutex mutex;
+  static std::vector<std::unique_ptr<DeviceInfo>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<int>(cache.size()) <= device) cache.resize(device + 1);
+  if (!cache[device]) {
+    auto info = std::make_unique<DeviceInfo>();
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info->sms, cudaDevAttrMultiProcessorCount, device));
+    int max_smem_optin = 0;
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    for (int i = 0; i < kNumSimtBatchTiles; ++i) {
+      dispatch_simt_batch_tile(i, [&](auto tile) {
+        constexpr int kTile = decltype(tile)::value;
+        constexpr int kSmem = fg::simt_smem_bytes<kTile>();
+        TORCH_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the GEMV kernel needs ",
+                    kSmem, " bytes of shared memory per block, the device offers ",
+                    max_smem_optin);
+        set_max_dynamic_smem(fg::simt_splitk_kernel<kTile>, kSmem);
+        info->simt_ctas_per_sm[i] =
+            resident_ctas_per_sm(fg::simt_splitk_kernel<kTile>, fg::kSimtThreads, kSmem);
+        TORCH_CHECK(info->simt_ctas_per_sm[i] >= 1,
+                    "fused_pool_gelu.forward: the GEMV kernel cannot run on device ", device);
+      });
+    }
+    if (fg::kTcSmemBytes <= max_smem_optin) {
+      set_max_dynamic_smem(fg::tf32x3_splitk_kernel, fg::kTcSmemBytes);
+      info->tc_ctas_per_sm =
+          resident_ctas_per_sm(fg::tf32x3_splitk_kernel, fg::kTcThreads, fg::kTcSmemBytes);
+    }
+    cache[device] = std::move(info);
+  }
+  return *cache[device];
+}
+
+// An fp32 operand the GEMM kernels can read directly (see the contract in forward_gemm.cuh).
+struct Operand {
+  at::Tensor storage;  // keeps a copy alive
+  const float* data;
+  int64_t ld;
+};
+
+bool has_kernel_layout(const at::Tensor& t) {
+  const int64_t rows = t.size(0);
+  const int64_t cols = t.size(1);
+  if (t.scalar_type() != at::kFloat || cols % 4 != 0) return false;
+  if (cols > 1 && t.stride(1) != 1) return false;
+  if (rows > 1 && t.stride(0) % 4 != 0) return false;
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+// float16 / bfloat16 inputs take the simplest correct route: they are upcast here to float32,
+// run the float32 kernels, and the epilogue casts out / preactivation back to the input dtype.
+// Other strides, K not a multiple of 4 and misaligned data are copied once into a contiguous
+// buffer whose K is zero-padded to a multiple of 4 (zeros do not change the dot products).
+Operand as_kernel_operand(const at::Tensor& t, int64_t k_padded) {
+  if (has_kernel_layout(t)) {
+    return Operand{t, t.const_data_ptr<float>(), t.size(0) > 1 ? t.stride(0) : k_padded};
+  }
+  const int64_t k = t.size(1);
+  at::Tensor buffer = at::empty({t.size(0), k_padded}, t.options().dtype(at::kFloat));
+  buffer.narrow(1, 0, k).copy_(t);
+  if (k_padded > k) buffer.narrow(1, k, k_padded - k).zero_();
+  return Operand{buffer, buffer.const_data_ptr<float>(), k_padded};
+}
+
+// Split-K plan of the SIMT GEMV: one wave of resident CTAs.
+struct SimtPlan {
+  int tile_index;  // into kSimtBatchTiles
+  int batch_tile;
+  int64_t splits;
+  int64_t k_per_split;
+};
+
+SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded) {
+  SimtPlan plan{};
+  plan.tile_index = kNumSimtBatchTiles - 1;
+  for (int i = 0; i < kNumSimtBatchTiles; ++i) {
+    if (kSimtBatchTiles[i] >= batch) {
+      plan.tile_index = i;
+      break;
+    }
+  }
+  plan.batch_tile = kSimtBatchTiles[plan.tile_index];
+  const int64_t n_tiles = ceil_div(n, int64_t{fg::kSimtRowsPerCta});
+  const int64_t b_tiles = ceil_div(batch, int64_t{plan.batch_tile});
+  const int64_t target_ctas = static_cast<int64_t>(info.sms) *
+                              std::min(info.simt_ctas_per_sm[plan.tile_index], kSimtMaxCtasPerSm);
+  const int64_t max_splits = ceil_div(k_padded, int64_t{fg::kSimtChunkK});
+  const int64_t splits = std::clamp<int64_t>(target_ctas / (n_tiles * b_tiles), 1,
+                                             std::min(max_splits, kMaxGridYZ));
+  // Whole chunks per split; recounting afterwards leaves no empty split.
+  plan.k_per_split = ceil_div(ceil_div(k_padded, splits), int64_t{fg::kSimtChunkK}) * fg::kSimtChunkK;
+  plan.splits = ceil_div(k_padded, plan.k_per_split);
+  return plan;
+}
+
+// Split-K plan of the 3xTF32 GEMM.
+struct TcPlan {
+  int64_t splits;
+  int64_t k_per_split;
+};
+
+TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded) {
+  const int64_t tiles =
+      ceil_div(batch, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
+  const int64_t k_tiles = ceil_div(k_padded, int64_t{fg::kTcBlockK});
+  const int64_t slots = static_cast<int64_t>(info.sms) * info.tc_ctas_per_sm;
+  const int64_t max_splits =
+      std::max<int64_t>(1, std::min(kTcMaxSplits, k_tiles / kTcMinKTilesPerSplit));
+  int64_t best_cost = std::numeric_limits<int64_t>::max();
+  int64_t best_k_tiles_per_split = k_tiles;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t per_split = ceil_div(k_tiles, s);
+    const int64_t used_splits = ceil_div(k_tiles, per_split);
+    if (used_splits > 1 && tiles * used_splits > kTcMaxSplitWaves * slots) break;
+    const int64_t cost = ceil_div(tiles * used_splits, slots) * per_split;
+    if (cost < best_cost) {
+      best_cost = cost;
+      best_k_tiles_per_split = per_split;
+    }
+  }
+  TcPlan plan{};
+  plan.k_per_split = best_k_tiles_per_split * fg::kTcBlockK;
+  plan.splits = ceil_div(k_padded, plan.k_per_split);
+  return plan;
+}
+
+void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float* partial,
+                 int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
+  const int64_t n_tiles = ceil_div(n, int64_t{fg::kSimtRowsPerCta});
+  TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
+  // Batch tiles go on grid z (at most 65535): larger batches (only on devices without the
+  // tensor-core kernel) are launched in slices of rows.
+  const int64_t rows_per_launch = kMaxGridYZ * plan.batch_tile;
+  dispatch_simt_batch_tile(plan.tile_index, [&](auto tile) {
+    constexpr int kTile = decltype(tile)::value;
+    for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
+      fg::SimtParams p{};
+      p.x = x.data + row0 * x.ld;
+      p.ldx = x.ld;
+      p.w = w.data;
+      p.ldw = w.ld;
+      p.partial = partial + row0 * n;
+      p.split_stride = batch * n;
+      p.batch = std::min(rows_per_launch, batch - row0);
+      p.n = n;
+      p.k = k_padded;
+      p.k_per_split = plan.k_per_split;
+      const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(plan.splits),
+                      static_cast<unsigned>(ceil_div(p.batch, int64_t{kTile})));
+      fg::simt_splitk_kernel<kTile>
+          <<<grid, fg::kSimtThreads, fg::simt_smem_bytes<kTile>(), stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
+void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* partial,
+               int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
+  const int64_t n_tiles = ceil_div(n, int64_t{fg::kTcBlockN});
+  TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
+  TORCH_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
+              " splits");
+  // Row tiles go on grid y (at most 65535): larger batches are launched in slices of rows.
+  const int64_t rows_per_launch = kMaxGridYZ * fg::kTcBlockM;
+  for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
+    fg::TcParams p{};
+    p.x = x.data + row0 * x.ld;
+    p.ldx = x.ld;
+    p.w = w.data;
+    p.ldw = w.ld;
+    p.partial = partial + row0 * n;
+    p.split_stride = batch * n;
+    p.m = std::min(rows_per_launch, batch - row0);
+    p.n = n;
+    p.k = k_padded;
+    p.k_per_split = plan.k_per_split;
+    // n tiles fastest: the CTAs running together share x row tiles, and the weight (N x K, the
+    // smaller operand at large B) stays in L2 while the batch is swept.
+    const dim3 grid(static_cast<unsigned>(n_tiles),
+                    static_cast<unsigned>(ceil_div(p.m, int64_t{fg::kTcBlockM})),
+                    static_cast<unsigned>(plan.splits));
+    fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <typename out_t>
+void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argmax,
+                     at::Tensor& preactivation, cudaStream_t stream) {
+  auto launch = [&](auto threads_per_row) {
+    constexpr int kThreadsPerRow = decltype(threads_per_row)::value;
+    constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
+    const int64_t blocks = ceil_div(p.batch, int64_t{kRowsPerCta});
+    TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu.forward: batch too large (", p.batch, ")");
+    argmax_epilogue_kernel<kThreadsPerRow, out_t>
+        <<<static_cast<unsigned>(blocks), kEpilogueThreads, 0, stream>>>(
+            p, out.data_ptr<out_t>(), argmax.data_ptr<int64_t>(), preactivation.data_ptr<out_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (p.batch >= kEpilogueWarpPerRowMinBatch) {
+    launch(std::integral_constant<int, 32>{});
+  } else {
+    launch(std::integral_constant<int, kEpilogueThreads>{});
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
+    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    double scale) {
+  check_forward_inputs(x, weight, bias);
+  check_dtype_in("forward", "x", x, {at::kFloat, at::kHalf, at::kBFloat16},
+                 "float32, float16 or bfloat16");
+  c10::cuda::CUDAGuard guard(x.device());
+
+  const int64_t batch = x.size(0);
+  const int64_t k = x.size(1);
+  const int64_t n = weight.size(0);
+  at::Tensor out = at::empty({batch}, x.options());
+  at::Tensor argmax = at::empty({batch}, x.options().dtype(at::kLong));
+  at::Tensor preactivation = at::empty({batch}, x.options());
+  if (batch == 0) return {out, argmax, preactivation};
+
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const DeviceInfo& info = device_info(x.get_device());
+
+  at::Tensor bias_f32;  // float32 and contiguous (see as_kernel_operand for half / bfloat16)
+  if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
+
+  // Split-K partial sums; K == 0 needs none (z = bias).
+  at::Tensor workspace;
+  int64_t splits = 0;
+  if (k > 0) {
+    const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
+    // The GEMV kernel indexes inside a row with ints (fewer registers in its hot loop).
+    TORCH_CHECK(k_padded <= kMaxInFeatures, "fused_pool_gelu.forward: in_features must be at most ",
+                kMaxInFeatures, ", got ", k);
+    const Operand x_op = as_kernel_operand(x, k_padded);
+    const Operand w_op = as_kernel_operand(weight, k_padded);
+    const at::TensorOptions f32 = x.options().dtype(at::kFloat);
+    if (batch <= kSimtMaxBatch || info.tc_ctas_per_sm == 0) {
+      const SimtPlan plan = plan_simt(info, batch, n, k_padded);
+      splits = plan.splits;
+      workspace = at::empty({splits, batch, n}, f32);
+      launch_simt(plan, x_op, w_op, workspace.data_ptr<float>(), batch, n, k_padded, stream);
+    } else {
+      const TcPlan plan = plan_tc(info, batch, n, k_padded);
+      splits = plan.splits;
+      workspace = at::empty({splits, batch, n}, f32);
+      launch_tc(plan, x_op, w_op, workspace.data_ptr<float>(), batch, n, k_padded, stream);
+    }
+  }
+
+  EpilogueParams p{};
+  p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
+  p.split_stride = batch * n;
+  p.splits = static_cast<int>(splits);
+  p.bias = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
+  p.scale = static_cast<float>(scale);  // torch multiplies a float32 tensor by a float32 scalar
+  p.batch = batch;
+  p.n = n;
+  switch (x.scalar_type()) {
+    case at::kFloat: launch_epilogue<float>(p, out, argmax, preactivation, stream); break;
+    case at::kHalf: launch_epilogue<at::Half>(p, out, argmax, preactivation, stream); break;
+    case at::kBFloat16: launch_epilogue<at::BFloat16>(p, out, argmax, preactivation, stream); break;
+    default: TORCH_CHECK(false, "fused_pool_gelu.forward: unreachable dtype ", x.scalar_type());
+  }
+  return {out, argmax, preactivation};
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace fused_pool_gelu
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
+  m.impl("forward_with_argmax", &fused_pool_gelu::cuda::forward_with_argmax_cuda);
+}

@@ -1,0 +1,584 @@
+// The two split-K GEMM kernels of the forward: partial[s, b, n] = sum over the k of split s of
+// x[b, k] * weight[n, k], written to an fp32 workspace [splits, B, N] that the epilogue kernel
+// (forward.cu) reduces in split order, so results are bitwise reproducible run to run.
+//
+//   simt_splitk_kernel     small batch (a GEMV): exact fp32 FMA, the weight streamed once with
+//                          16-byte loads, the x rows' K chunk staged in shared memory.
+//   tf32x3_splitk_kernel   larger batch: tensor cores (mma.sync m16n8k8 TF32, sm_80 and later)
+//                          with float32-class accuracy from the 3xTF32 split of every operand.
+//
+// Operand contract (the host code in forward.cu guarantees it, copying when needed): float32,
+// row-major rows with unit column stride, K a multiple of 4 (zero padded), row strides a
+// multiple of 4 floats and 16-byte aligned base pointers, so every 4-float chunk of a row is one
+// aligned 16-byte load.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace fused_pool_gelu {
+namespace cuda {
+namespace forward_gemm {
+
+// ------------------------------------------------------------------------------------------------
+// Small PTX wrappers.
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float4 load_global_f4(const float* ptr) {
+  return __ldg(reinterpret_cast<const float4*>(ptr));
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte global -> shared copy that bypasses L1; src_bytes = 0 writes 16 zero bytes instead
+// (nothing is read, but src must still be a valid address).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most `kPending` committed groups of this thread are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Four 8x8 matrices of 16-bit elements = four 8-row x 4-float tiles: thread t receives float
+// (row t / 4, column t % 4) of matrix j in r[j]; threads 8j .. 8j+7 give the row addresses of
+// matrix j. This is exactly the TF32 m16n8k8 A / B fragment layout (see the kernel below).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+// d += a * b on a 16x8x8 tile: A row-major 16x8, B column-major 8x8 (= weight rows), fp32 accumulate.
+__device__ __forceinline__ void mma_tf32_16x8x8(float (&d)[4], const uint32_t (&a)[4],
+                                                const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Special registers read with volatile asm, so that the compiler re-reads them instead of keeping
+// an earlier copy live through a long loop (used after the SIMT K loop, where sm_80 ptxas would
+// otherwise spill a few index registers around the loop).
+__device__ __forceinline__ int fresh_thread_x() {
+  int v;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ dim3 fresh_block_idx() {
+  unsigned x, y, z;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
+  asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(z));
+  return dim3(x, y, z);
+}
+
+// TF32 keeps the sign, the 8 exponent bits and the top 10 mantissa bits of a float32.
+constexpr uint32_t kTf32Mask = 0xffffe000u;
+
+// 3xTF32 operand split: v = big + small + (a remainder below 2^-20 |v|). big is v truncated to
+// TF32; small = v - big is exact in fp32 and is truncated to TF32 too. Both halves are exact TF32
+// values, so the product does not depend on whether the tensor core truncates or rounds its
+// inputs. An infinite v gives big = inf and small = inf - inf = NaN, so products with a +-inf
+// input are NaN where an fp32 GEMM gives +-inf or NaN: the same pre-activations are non-finite
+// either way (a +-inf in x[b] makes all of row b non-finite in fp32 too, a +-inf in weight[n] all
+// of column n), and the epilogue maps every non-finite pre-activation to NaN.
+__device__ __forceinline__ void split_tf32(uint32_t v, uint32_t& big, uint32_t& small) {
+  big = v & kTf32Mask;
+  small = __float_as_uint(__uint_as_float(v) - __uint_as_float(big)) & kTf32Mask;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Small batch: SIMT split-K GEMV.
+//
+// A CTA owns kSimtRowsPerCta weight rows and one K range (its split). Inside a warp, a quad of 4
+// lanes shares a row and reads 4 x 16 B = 64 contiguous bytes per load instruction (8 rows per
+// instruction, every 32-byte sector fully used); each lane works on kSimtRowsPerLane rows so each
+// x value read from shared memory feeds 8 FMAs. The 8 warps split the K range: warp w takes step w
+// of every staged chunk of x, then the warps' sums are added in warp order through shared memory.
+// Weights: the next chunk's loads are issued before the current chunk is computed (register double
+// buffering). x: chunks are staged with cp.async into two shared buffers, the next chunk landing
+// while the current one is computed.
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kSimtThreads = 256;
+constexpr int kSimtWarps = kSimtThreads / 32;
+// 4 lanes x 16 B = 64 B of a row per load instruction: two full 32-byte sectors.
+constexpr int kSimtLanesPerRow = 4;
+constexpr int kSimtQuadsPerWarp = 32 / kSimtLanesPerRow;  // 8 rows per load instruction
+// Rows per lane: each x value loaded from shared memory is used for this many rows (2 keeps the
+// shared-memory traffic at 1 LDS.128 per 8 FMAs and the registers under 128 for a batch tile of 32).
+constexpr int kSimtRowsPerLane = 2;
+constexpr int kSimtRowsPerCta = kSimtQuadsPerWarp * kSimtRowsPerLane;  // 16
+// 16-byte loads per row and lane per step: a step covers 2 x 64 B = one 128-byte line per row.
+constexpr int kSimtLoadsPerRow = 2;
+constexpr int kSimtSegmentK = kSimtLanesPerRow * 4;              // 16 floats per instruction
+constexpr int kSimtStepK = kSimtSegmentK * kSimtLoadsPerRow;     // 32 floats per warp step
+constexpr int kSimtChunkK = kSimtStepK * kSimtWarps;             // 256 floats of x staged at once
+constexpr int kSimtXBuffers = 2;                                 // x chunk double buffer
+// Batch rows per CTA (register arrays): the host picks the smallest power of two >= B, up to this.
+constexpr int kSimtMaxBatchTile = 32;
+
+struct SimtParams {
+  const float* x;         // [batch, k], row stride ldx
+  int64_t ldx;
+  const float* w;         // [n, k], row stride ldw
+  int64_t ldw;
+  float* partial;         // partial[s * split_stride + b * n + col]
+  int64_t split_stride;
+  int64_t batch;          // rows of x in this launch
+  int64_t n;
+  int64_t k;              // padded K (multiple of 4, < 2^31 - 2 kSimtChunkK: offsets in a row fit int)
+  int64_t k_per_split;    // multiple of kSimtChunkK
+};
+
+template <int kBatchTile>
+constexpr int simt_smem_bytes() {
+  return kSimtXBuffers * kBatchTile * kSimtChunkK * static_cast<int>(sizeof(float));
+}
+
+// End of simt_splitk_kernel: sums the lanes of a quad, then the warps in warp order through
+// shared memory (the x buffers, free by now), and stores partial[split][b][n]. Thread and block
+// indices are re-read here rather than kept live through the K loop.
+template <int kBatchTile>
+__device__ __forceinline__ void write_simt_partials(
+    const SimtParams& p, float (&acc)[kSimtRowsPerLane][kBatchTile], float4* smem_f4) {
+  const int tid = fresh_thread_x();
+  const dim3 block = fresh_block_idx();
+  const int warp = tid / 32;
+  const int quad_lane = (tid % 32) % kSimtLanesPerRow;
+  const int quad = (tid % 32) / kSimtLanesPerRow;
+  const int64_t n0 = static_cast<int64_t>(block.x) * kSimtRowsPerCta;
+  const int64_t split = block.y;
+  const int64_t b0 = static_cast<int64_t>(block.z) * kBatchTile;
+
+  // Sum the 4 lanes of a quad (a fixed butterfly: every lane ends with the same bits).
+#pragma unroll
+  for (int i = 0; i < kSimtRowsPerLane; ++i) {
+#pragma unroll
+    for (int b = 0; b < kBatchTile; ++b) {
+      float v = acc[i][b];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      acc[i][b] = v;
+    }
+  }
+
+  // Cross-warp sum in warp order, through the (now free) x buffers: red[warp][b][row].
+  float* red = reinterpret_cast<float*>(smem_f4);
+  __syncthreads();  // every warp is done reading x
+#pragma unroll
+  for (int i = 0; i < kSimtRowsPerLane; ++i) {
+#pragma unroll
+    for (int b = 0; b < kBatchTile; ++b) {
+      // Spread the stores over the quad's lanes (they all hold the same value).
+      if (b % kSimtLanesPerRow == quad_lane) {
+        red[(warp * kBatchTile + b) * kSimtRowsPerCta + quad + i * kSimtQuadsPerWarp] = acc[i][b];
+      }
+    }
+  }
+  __syncthreads();
+  for (int o = tid; o < kBatchTile * kSimtRowsPerCta; o += kSimtThreads) {
+    const int bb = o / kSimtRowsPerCta;
+    const int row = o % kSimtRowsPerCta;
+    float sum = red[bb * kSimtRowsPerCta + row];
+#pragma unroll
+    for (int w = 1; w < kSimtWarps; ++w) sum += red[(w * kBatchTile + bb) * kSimtRowsPerCta + row];
+    const int64_t b = b0 + bb;
+    const int64_t n = n0 + row;
+    if (b < p.batch && n < p.n) p.partial[split * p.split_stride + b * p.n + n] = sum;
+  }
+}
+
+template <int kBatchTile>
+__global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const SimtParams p) {
+  static_assert(kBatchTile >= 1 && kBatchTile <= kSimtMaxBatchTile, "batch tile");
+  static_assert(kSimtWarps * kBatchTile * kSimtRowsPerCta <= kBatchTile * kSimtChunkK,
+                "the cross-warp sums must fit in the x buffer they reuse");
+  constexpr int kChunkF4 = kSimtChunkK / 4;          // float4 per staged x row
+  constexpr int kBufferF4 = kBatchTile * kChunkF4;   // float4 per x buffer
+  constexpr int kStageIters = ceil_div(kBufferF4, kSimtThreads);
+
+  // kSimtXBuffers x chunks [kBatchTile][kSimtChunkK]; after the K loop: warp sums [warp][b][row].
+  extern __shared__ float4 smem_f4[];
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int quad_lane = lane % kSimtLanesPerRow;  // which 16 B of a 64 B segment
+  const int quad = lane / kSimtLanesPerRow;       // row within a group of 8
+
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kSimtRowsPerCta;
+  const int64_t split = blockIdx.y;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.z) * kBatchTile;
+  const int64_t k_begin = split * p.k_per_split;
+  // Length of this split's K range; offsets inside it are ints (see SimtParams::k).
+  const int k_len = static_cast<int>(min(p.k_per_split, p.k - k_begin));
+  const int num_chunks = ceil_div(k_len, kSimtChunkK);
+
+  // This lane's first float of a chunk: warp w owns floats [32 w, 32 w + 32) of every chunk.
+  const int lane_k = warp * kSimtStepK + quad_lane * 4;
+  // This lane's rows: n0 + quad + 8 i. Rows past N read nothing (zeros) and store nothing.
+  const float* w_ptr[kSimtRowsPerLane];
+  bool row_ok[kSimtRowsPerLane];
+#pragma unroll
+  for (int i = 0; i < kSimtRowsPerLane; ++i) {
+    const int64_t n = n0 + quad + i * kSimtQuadsPerWarp;
+    row_ok[i] = n < p.n;
+    w_ptr[i] = p.w + (row_ok[i] ? n : 0) * p.ldw + k_begin + lane_k;
+  }
+
+  auto load_w = [&](int chunk, float4 (&dst)[kSimtRowsPerLane][kSimtLoadsPerRow]) {
+#pragma unroll
+    for (int j = 0; j < kSimtLoadsPerRow; ++j) {
+      const int k = chunk * kSimtChunkK + j * kSimtSegmentK;  // from this lane's start
+      const bool k_ok = k + lane_k < k_len;  // multiples of 4 on both sides: a float4 is in or out
+#pragma unroll
+      for (int i = 0; i < kSimtRowsPerLane; ++i) {
+        dst[i][j] = (row_ok[i] && k_ok) ? load_global_f4(w_ptr[i] + k)
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  };
+
+  // x[b0 .. b0 + kBatchTile)[chunk] -> buffer chunk % 2, zeros past the batch or the split.
+  const float* x_base = p.x + b0 * p.ldx + k_begin;
+  const uint32_t smem_base = shared_address(smem_f4);
+  auto stage_x = [&](int chunk) {
+    const uint32_t buffer = smem_base + (chunk % kSimtXBuffers) * kBufferF4 * 16;
+#pragma unroll
+    for (int it = 0; it < kStageIters; ++it) {
+      const int e = tid + it * kSimtThreads;
+      if (kBufferF4 % kSimtThreads == 0 || e < kBufferF4) {
+        const int bb = e / kChunkF4;
+        const int k = chunk * kSimtChunkK + 4 * (e % kChunkF4);
+        const bool ok = b0 + bb < p.batch && k < k_len;
+        cp_async_16(buffer + e * 16, ok ? x_base + bb * p.ldx + k : p.x, ok ? 16 : 0);
+      }
+    }
+  };
+
+  float acc[kSimtRowsPerLane][kBatchTile];
+#pragma unroll
+  for (int i = 0; i < kSimtRowsPerLane; ++i) {
+#pragma unroll
+    for (int b = 0; b < kBatchTile; ++b) acc[i][b] = 0.f;
+  }
+
+  float4 w_cur[kSimtRowsPerLane][kSimtLoadsPerRow];
+  load_w(0, w_cur);
+  stage_x(0);
+  cp_async_commit();
+
+  for (int chunk = 0; chunk < num_chunks; ++chunk) {
+    // Prefetch the next chunk's weights (zeros past the split) before waiting on anything.
+    float4 w_next[kSimtRowsPerLane][kSimtLoadsPerRow];
+    load_w(chunk + 1, w_next);
+
+    // Every warp is done with chunk - 1, whose buffer receives chunk + 1. One commit per
+    // iteration (even empty) keeps "groups committed = chunk + 2", so waiting until at most one is
+    // pending means chunk's group has landed.
+    __syncthreads();
+    if (chunk + 1 < num_chunks) stage_x(chunk + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // chunk's x, copied by all threads, is visible to all
+
+    // This lane's float4 of x row b, load j: floats lane_k + 16 j of the chunk.
+    const float4* xs = smem_f4 + (chunk % kSimtXBuffers) * kBufferF4 + lane_k / 4;
+#pragma unroll
+    for (int j = 0; j < kSimtLoadsPerRow; ++j) {
+#pragma unroll
+      for (int b = 0; b < kBatchTile; ++b) {
+        const float4 xv = xs[b * kChunkF4 + j * (kSimtSegmentK / 4)];
+#pragma unroll
+        for (int i = 0; i < kSimtRowsPerLane; ++i) {
+          acc[i][b] = fmaf(w_cur[i][j].x, xv.x, acc[i][b]);
+          acc[i][b] = fmaf(w_cur[i][j].y, xv.y, acc[i][b]);
+          acc[i][b] = fmaf(w_cur[i][j].z, xv.z, acc[i][b]);
+          acc[i][b] = fmaf(w_cur[i][j].w, xv.w, acc[i][b]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kSimtRowsPerLane; ++i) {
+#pragma unroll
+      for (int j = 0; j < kSimtLoadsPerRow; ++j) w_cur[i][j] = w_next[i][j];
+    }
+  }
+  cp_async_wait<0>();  // only an empty group can remain
+  write_simt_partials<kBatchTile>(p, acc, smem_f4);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Larger batch: 3xTF32 tensor-core split-K GEMM.
+//
+// CTA tile kTcBlockM (batch rows) x kTcBlockN (weight rows) x kTcBlockK, 8 warps as 2 (M) x 4 (N),
+// warp tile 64 x 32 = 4 x 4 mma tiles of 16 x 8. Global -> shared with cp.async in a kTcStages
+// ring (zero fill past M, N and the split's K range). Shared rows are padded to 36 floats: eight
+// consecutive rows then start 16 bytes apart modulo 128, so ldmatrix phases (8 rows x 16 B) and
+// the cp.async writes are free of bank conflicts.
+//
+// m16n8k8 TF32 fragments (g = lane / 4, t = lane % 4), PTX ISA "mma.m16n8k8" (.tf32):
+//   A (16 x 8, row): a0 (g, t)  a1 (g + 8, t)  a2 (g, t + 4)  a3 (g + 8, t + 4)
+//   B (8 x 8, col):  b0 (k = t, n = g)  b1 (k = t + 4, n = g)
+//   C (16 x 8):      c0 (g, 2t)  c1 (g, 2t + 1)  c2 (g + 8, 2t)  c3 (g + 8, 2t + 1)
+// ldmatrix.x4 delivers float (row t/4, col t%4) of matrix j in r[j] (see ldmatrix_x4), so
+//   A: matrices (rows 0-7, k 0-3), (rows 8-15, k 0-3), (rows 0-7, k 4-7), (rows 8-15, k 4-7)
+//      = a0..a3: lane l points at row (l & 7) + 8 ((l >> 3) & 1), column 4 (l >> 4);
+//   B: matrices (n 0-7, k 0-3), (n 0-7, k 4-7), (n 8-15, k 0-3), (n 8-15, k 4-7)
+//      = b0, b1 of n tile 2p and b0, b1 of n tile 2p + 1: lane l points at weight row
+//      (l & 7) + 8 (l >> 4), column 4 ((l >> 3) & 1).
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kTcBlockM = 128;
+constexpr int kTcBlockN = 128;
+// 32 floats = 128 B of a row per stage: one full line per row and cp.async chunk group.
+constexpr int kTcBlockK = 32;
+// 4 stages (3 tiles in flight while one is computed) to cover DRAM/L2 latency with 1 CTA per SM;
+// 4 x 36 KB = 144 KB of shared memory (sm_80: 163 KB, sm_90: 227 KB opt-in).
+constexpr int kTcStages = 4;
+constexpr int kTcWarpsM = 2;
+constexpr int kTcWarpsN = 4;
+constexpr int kTcThreads = 32 * kTcWarpsM * kTcWarpsN;
+constexpr int kTcMmaM = 16;
+constexpr int kTcMmaN = 8;
+constexpr int kTcMmaK = 8;
+constexpr int kTcWarpTileM = kTcBlockM / kTcWarpsM;    // 64
+constexpr int kTcWarpTileN = kTcBlockN / kTcWarpsN;    // 32
+constexpr int kTcFragsM = kTcWarpTileM / kTcMmaM;      // 4
+constexpr int kTcFragsN = kTcWarpTileN / kTcMmaN;      // 4
+constexpr int kTcSmemLd = kTcBlockK + 4;               // padded shared row, in floats
+constexpr int kTcTileAFloats = kTcBlockM * kTcSmemLd;
+constexpr int kTcStageFloats = (kTcBlockM + kTcBlockN) * kTcSmemLd;
+constexpr int kTcSmemBytes = kTcStages * kTcStageFloats * static_cast<int>(sizeof(float));
+constexpr int kTcChunksPerRow = kTcBlockK / 4;                    // 16-byte chunks per tile row
+constexpr int kTcLoadRowsPerPass = kTcThreads / kTcChunksPerRow;  // 32
+constexpr int kTcLoadPassesA = kTcBlockM / kTcLoadRowsPerPass;    // 4
+constexpr int kTcLoadPassesB = kTcBlockN / kTcLoadRowsPerPass;    // 4
+
+static_assert(kTcFragsN % 2 == 0, "B fragments are loaded two n tiles per ldmatrix.x4");
+static_assert(kTcBlockM % kTcLoadRowsPerPass == 0 && kTcBlockN % kTcLoadRowsPerPass == 0, "loader");
+static_assert((kTcSmemLd * 4) % 16 == 0, "ldmatrix / cp.async rows must stay 16-byte aligned");
+
+struct TcParams {
+  const float* x;         // [m, k], row stride ldx
+  int64_t ldx;
+  const float* w;         // [n, k], row stride ldw
+  int64_t ldw;
+  float* partial;         // partial[s * split_stride + row * n + col]
+  int64_t split_stride;
+  int64_t m;              // rows of x in this launch
+  int64_t n;
+  int64_t k;              // padded K (multiple of 4)
+  int64_t k_per_split;    // multiple of kTcBlockK
+};
+
+__global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const TcParams p) {
+  extern __shared__ __align__(16) float smem[];  // kTcStages x {A [128][36], B [128][36]}
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int warp_m = warp / kTcWarpsN;
+  const int warp_n = warp % kTcWarpsN;
+
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTcBlockN;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTcBlockM;
+  const int64_t split = blockIdx.z;
+  const int64_t k_begin = split * p.k_per_split;
+  const int64_t k_end = min(k_begin + p.k_per_split, p.k);
+  const int num_k_tiles = static_cast<int>(ceil_div(k_end - k_begin, int64_t{kTcBlockK}));
+
+  // Loader: thread -> tile rows load_row + 32 pass, floats [load_col, load_col + 4).
+  const int load_row = tid / kTcChunksPerRow;
+  const int load_col = (tid % kTcChunksPerRow) * 4;
+  const float* a_src[kTcLoadPassesA];
+  bool a_ok[kTcLoadPassesA];
+#pragma unroll
+  for (int pass = 0; pass < kTcLoadPassesA; ++pass) {
+    const int64_t m = m0 + load_row + pass * kTcLoadRowsPerPass;
+    a_ok[pass] = m < p.m;
+    a_src[pass] = p.x + (a_ok[pass] ? m : 0) * p.ldx + k_begin + load_col;
+  }
+  const float* b_src[kTcLoadPassesB];
+  bool b_ok[kTcLoadPassesB];
+#pragma unroll
+  for (int pass = 0; pass < kTcLoadPassesB; ++pass) {
+    const int64_t n = n0 + load_row + pass * kTcLoadRowsPerPass;
+    b_ok[pass] = n < p.n;
+    b_src[pass] = p.w + (b_ok[pass] ? n : 0) * p.ldw + k_begin + load_col;
+  }
+  const uint32_t smem_base = shared_address(smem);
+  constexpr uint32_t kStageBytes = kTcStageFloats * sizeof(float);
+  constexpr uint32_t kPassBytes = kTcLoadRowsPerPass * kTcSmemLd * sizeof(float);
+  const uint32_t a_dst = smem_base + (load_row * kTcSmemLd + load_col) * sizeof(float);
+  const uint32_t b_dst = a_dst + kTcTileAFloats * sizeof(float);
+
+  auto load_tile = [&](int stage, int k_tile) {
+    const int64_t k_off = static_cast<int64_t>(k_tile) * kTcBlockK;
+    // The chunk holds floats [k, k + 4) with k and k_end multiples of 4: all in or all out.
+    const bool k_ok = k_begin + k_off + load_col < k_end;
+    const uint32_t stage_off = stage * kStageBytes;
+#pragma unroll
+    for (int pass = 0; pass < kTcLoadPassesA; ++pass) {
+      const bool ok = a_ok[pass] && k_ok;
+      cp_async_16(a_dst + stage_off + pass * kPassBytes, ok ? a_src[pass] + k_off : p.x,
+                  ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int pass = 0; pass < kTcLoadPassesB; ++pass) {
+      const bool ok = b_ok[pass] && k_ok;
+      cp_async_16(b_dst + stage_off + pass * kPassBytes, ok ? b_src[pass] + k_off : p.w,
+                  ok ? 16 : 0);
+    }
+  };
+
+  // ldmatrix row addresses of this lane (bytes from the stage base), see the header comment.
+  const uint32_t a_frag_off =
+      ((warp_m * kTcWarpTileM + (lane & 7) + 8 * ((lane >> 3) & 1)) * kTcSmemLd + 4 * (lane >> 4)) *
+      sizeof(float);
+  const uint32_t b_frag_off =
+      (kTcTileAFloats +
+       (warp_n * kTcWarpTileN + (lane & 7) + 8 * (lane >> 4)) * kTcSmemLd + 4 * ((lane >> 3) & 1)) *
+      sizeof(float);
+  constexpr uint32_t kFragRowsBytes = 16 * kTcSmemLd * sizeof(float);  // 16 rows down
+
+  // Two-level accumulation: the mma chain of one K tile (12 mma per element) goes into `acc`, which
+  // is then added into `total` (plain fp32 adds, round to nearest) and cleared. Tensor cores
+  // accumulate with truncation (Fasi et al. 2021): one chain over K = 8192 (3072 mma) would bias
+  // the sums by ~1e-4 relative in a CPU model of that, against ~6e-7 with a flush per K tile.
+  float acc[kTcFragsM][kTcFragsN][4];
+  float total[kTcFragsM][kTcFragsN][4];
+#pragma unroll
+  for (int mt = 0; mt < kTcFragsM; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < kTcFragsN; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[mt][nt][e] = 0.f;
+        total[mt][nt][e] = 0.f;
+      }
+    }
+  }
+
+  // Prologue: tiles 0 .. kTcStages - 2. One commit per tile slot, even when empty, so that the
+  // group count stays "tile index + 1" and the wait below is exact.
+#pragma unroll
+  for (int s = 0; s < kTcStages - 1; ++s) {
+    if (s < num_k_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    // Groups committed so far: kTcStages - 1 + kt. At most kTcStages - 2 pending => tile kt landed.
+    cp_async_wait<kTcStages - 2>();
+    // All threads' copies of tile kt are visible, and every warp is done with tile kt - 1, whose
+    // stage ((kt - 1) % kTcStages) is refilled next.
+    __syncthreads();
+    {
+      const int next = kt + kTcStages - 1;
+      if (next < num_k_tiles) load_tile(next % kTcStages, next);
+      cp_async_commit();
+    }
+
+    const uint32_t stage_base = smem_base + (kt % kTcStages) * kStageBytes;
+#pragma unroll
+    for (int kk = 0; kk < kTcBlockK / kTcMmaK; ++kk) {
+      const uint32_t k_byte = kk * kTcMmaK * sizeof(float);
+      uint32_t a_big[kTcFragsM][4], a_small[kTcFragsM][4];
+      uint32_t b_big[kTcFragsN][2], b_small[kTcFragsN][2];
+#pragma unroll
+      for (int mt = 0; mt < kTcFragsM; ++mt) {
+        uint32_t r[4];
+        ldmatrix_x4(r, stage_base + a_frag_off + mt * kFragRowsBytes + k_byte);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) split_tf32(r[e], a_big[mt][e], a_small[mt][e]);
+      }
+#pragma unroll
+      for (int np = 0; np < kTcFragsN / 2; ++np) {
+        uint32_t r[4];
+        ldmatrix_x4(r, stage_base + b_frag_off + np * kFragRowsBytes + k_byte);
+        split_tf32(r[0], b_big[2 * np][0], b_small[2 * np][0]);
+        split_tf32(r[1], b_big[2 * np][1], b_small[2 * np][1]);
+        split_tf32(r[2], b_big[2 * np + 1][0], b_small[2 * np + 1][0]);
+        split_tf32(r[3], b_big[2 * np + 1][1], b_small[2 * np + 1][1]);
+      }
+      // Small terms first (as CUTLASS's OpMultiplyAddFastF32), the big x big product last.
+#pragma unroll
+      for (int mt = 0; mt < kTcFragsM; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kTcFragsN; ++nt) mma_tf32_16x8x8(acc[mt][nt], a_small[mt], b_big[nt]);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kTcFragsM; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kTcFragsN; ++nt) mma_tf32_16x8x8(acc[mt][nt], a_big[mt], b_small[nt]);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kTcFragsM; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kTcFragsN; ++nt) mma_tf32_16x8x8(acc[mt][nt], a_big[mt], b_big[nt]);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kTcFragsM; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kTcFragsN; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          total[mt][nt][e] += acc[mt][nt][e];
+          acc[mt][nt][e] = 0.f;
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can remain; drained for tidiness
+
+  // Store the fp32 tile: c0, c1 at (g, 2t), (g, 2t + 1); c2, c3 eight rows down.
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  float* out = p.partial + split * p.split_stride;
+  // float2 stores need an even row length (then col = 2t + 8 j is even and col < N => col + 1 < N).
+  const bool vec2 = (p.n % 2) == 0;
+#pragma unroll
+  for (int mt = 0; mt < kTcFragsM; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t m = m0 + warp_m * kTcWarpTileM + mt * kTcMmaM + g + 8 * h;
+      if (m >= p.m) continue;
+      float* out_row = out + m * p.n;
+#pragma unroll
+      for (int nt = 0; nt < kTcFragsN; ++nt) {
+        const int64_t col = n0 + warp_n * kTcWarpTileN + nt * kTcMmaN + 2 * t;
+        const float v0 = total[mt][nt][2 * h];
+        const float v1 = total[mt][nt][2 * h + 1];
+        if (vec2) {
+          if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
+        } else {
+          if (col < p.n) out_row[col] = v0;
+          if (col + 1 < p.n) out_row[col + 1] = v1;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace forward_gemm
+}  // namespace cuda
+}  // namespace fused_pool_gelu

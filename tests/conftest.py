@@ -1,0 +1,207 @@
+"""Shared fixtures of the fused_pool_gelu test suite.
+
+Tests run against the INSTALLED package (run pytest from outside the source tree). With
+``--import-mode=importlib`` test modules cannot import this file, so everything shared is a
+fixture:
+
+- ``device``: parametrizes a test over "cpu" and "cuda"; the cuda case carries the ``cuda``
+  marker and is skipped (with the reason) without a GPU or without compiled CUDA kernels.
+- ``ref``: plain-PyTorch float64 formulas of the block (fold, pre-activations, values, Model).
+- ``make_inputs``: fresh random x / weight / bias for a shape, built like nn.Linear's.
+- ``check_forward``: asserts that (out, argmax, preactivation) is the block's answer.
+
+Every test starts from its own seed (derived from its node id): fresh data, reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_pool_gelu
+
+
+def _cuda_skip_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU: torch.cuda.is_available() is False"
+    if not fused_pool_gelu.build_info()["cuda_kernels"]:
+        return (
+            "fused_pool_gelu was built without CUDA kernels (build_info()['cuda_kernels'] is "
+            "False): rebuild with a CUDA toolkit (FUSED_POOL_GELU_CUDA=1)"
+        )
+    return None
+
+
+CUDA_SKIP_REASON = _cuda_skip_reason()
+
+
+# The dtypes the CUDA kernels compute in (README "dtypes"); float64 (gradcheck) is CPU-only.
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip cleanly without a GPU; (cuda, float64) cases always skip."""
+    skip_cuda = pytest.mark.skip(reason=CUDA_SKIP_REASON) if CUDA_SKIP_REASON else None
+    skip_dtype = pytest.mark.skip(
+        reason="float64 is a CPU dtype: the CUDA kernels run float32, float16 and bfloat16"
+    )
+    for item in items:
+        if skip_cuda is not None and item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip_cuda)
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("device") == "cuda" and params.get("dtype") not in (None, *CUDA_DTYPES):
+            item.add_marker(skip_dtype)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request):
+    """The device a behavioural test runs on: "cpu" always, "cuda" when a GPU and kernels exist."""
+    return request.param
+
+
+@pytest.fixture
+def exact_dtype(device):
+    """The most precise dtype the device computes in: float64 on the CPU, float32 on CUDA."""
+    return torch.float64 if device == "cpu" else torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """A fixed seed per test (from its node id): each test draws fresh, reproducible data."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    yield
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference formulas (float64, plain PyTorch).
+
+
+def _fold64(weight, bias, k):
+    """AvgPool1d(k) of a Linear, as group means of its rows (floor: tail rows dropped)."""
+    out_features, in_features = weight.shape
+    n = out_features // k
+    pooled_weight = weight.double()[: n * k].reshape(n, k, in_features).mean(dim=1)
+    if bias is None:
+        pooled_bias = torch.zeros(n, dtype=torch.float64, device=weight.device)
+    else:
+        pooled_bias = bias.double()[: n * k].reshape(n, k).mean(dim=1)
+    return pooled_weight, pooled_bias
+
+
+def _preactivation64(x, weight, bias):
+    """z = x @ weight.T + bias in float64: [B, N]."""
+    z = x.double() @ weight.double().t()
+    if bias is not None:
+        z = z + bias.double()
+    return z
+
+
+def _values64(x, weight, bias, scale):
+    """scale * gelu(z) in float64 (exact erf GELU): [B, N]; the output is its row max.
+
+    A non-finite pre-activation (Inf or NaN) gives NaN, as README "Non-finite values" documents,
+    so that torch.max over these values (NaN wins, first index) is the documented answer.
+    """
+    z = _preactivation64(x, weight, bias)
+    values = F.gelu(z) * scale
+    return torch.where(torch.isfinite(z), values, torch.full_like(values, float("nan")))
+
+
+def _model_forward(x, weight, bias, k, scale, dtype=None):
+    """KernelBench's Model run on the given parameters (float64 unless dtype says otherwise)."""
+    dtype = torch.float64 if dtype is None else dtype
+    out_features, in_features = weight.shape
+    model = fused_pool_gelu.Model(in_features, out_features, k, scale)
+    model = model.to(device=weight.device, dtype=dtype)
+    with torch.no_grad():
+        model.matmul.weight.copy_(weight)
+        if bias is None:
+            model.matmul.bias.zero_()
+        else:
+            model.matmul.bias.copy_(bias)
+    return model(x.to(dtype))
+
+
+def _tolerance(dtype):
+    """atol = rtol for comparing a result in `dtype` with the float64 reference."""
+    return {
+        torch.float64: 1e-10,
+        torch.float32: 1e-5,
+        torch.bfloat16: 1e-2,
+        torch.float16: 1e-3,
+    }[dtype]
+
+
+@pytest.fixture
+def ref():
+    return SimpleNamespace(
+        fold=_fold64,
+        preactivation=_preactivation64,
+        values=_values64,
+        model_forward=_model_forward,
+        tolerance=_tolerance,
+    )
+
+
+def _make_inputs(batch, in_features, out_features, dtype=torch.float32, device="cpu", bias=True):
+    """x ~ randn [B, K]; weight, bias ~ U(-1/sqrt(K), 1/sqrt(K)) as nn.Linear(K, O) makes them."""
+    bound = 1.0 / math.sqrt(in_features)
+    x = torch.randn(batch, in_features, dtype=torch.float64).to(device=device, dtype=dtype)
+    weight = (torch.rand(out_features, in_features, dtype=torch.float64) * 2 - 1) * bound
+    weight = weight.to(device=device, dtype=dtype)
+    b = None
+    if bias:
+        b = ((torch.rand(out_features, dtype=torch.float64) * 2 - 1) * bound).to(device, dtype)
+    return x, weight, b
+
+
+@pytest.fixture
+def make_inputs():
+    return _make_inputs
+
+
+def _check_forward(out, argmax, preactivation, x, weight, bias, scale, tol=None):
+    """(out, argmax, preactivation) of forward_with_argmax on the POOLED weight is the block's answer.
+
+    - out is the row max of scale * gelu(z) in float64 (torch.max semantics: NaN wins; a
+      non-finite z counts as NaN);
+    - argmax is a maximizer: exactly torch.max's index in float64 and for non-finite rows,
+      a column whose float64 value equals the max (within tol) otherwise (float32 may break a
+      near-tie differently);
+    - preactivation is the float64 z at argmax (non-finite where that z is).
+    """
+    tol = _tolerance(x.dtype) if tol is None else tol
+    batch = x.shape[0]
+    assert out.shape == (batch,) and out.dtype == x.dtype and out.device == x.device
+    assert argmax.shape == (batch,) and argmax.dtype == torch.int64 and argmax.device == x.device
+    assert preactivation.shape == (batch,) and preactivation.dtype == x.dtype
+    z64 = _preactivation64(x, weight, bias)
+    v64 = _values64(x, weight, bias, scale)
+    if batch == 0:
+        return
+    best64, index64 = torch.max(v64, dim=1)
+    torch.testing.assert_close(out.double(), best64, atol=tol, rtol=tol, equal_nan=True)
+    exact = ~torch.isfinite(best64)
+    if x.dtype == torch.float64:
+        exact = torch.ones_like(exact)
+    torch.testing.assert_close(argmax[exact], index64[exact])
+    assert bool(((argmax >= 0) & (argmax < weight.shape[0])).all())
+    chosen = v64.gather(1, argmax[:, None]).squeeze(1)
+    torch.testing.assert_close(chosen, best64, atol=tol, rtol=tol, equal_nan=True)
+    z_chosen = z64.gather(1, argmax[:, None]).squeeze(1)
+    finite = torch.isfinite(z_chosen)
+    torch.testing.assert_close(preactivation[finite].double(), z_chosen[finite], atol=tol, rtol=tol)
+    # Where z is Inf or NaN only non-finiteness is specified (e.g. inf - inf inside a split
+    # product may turn an Inf into NaN): the row is NaN either way.
+    assert not bool(torch.isfinite(preactivation[~finite]).any())
+
+
+@pytest.fixture
+def check_forward():
+    return _check_forward

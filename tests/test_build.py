@@ -1,0 +1,126 @@
+"""The installed package: what is imported, what it reports about its build, how it fails unbuilt."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fused_pool_gelu
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+KERNEL_OPS = ["fold", "fold_backward", "forward_with_argmax", "forward_backward"]
+
+
+def test_the_installed_package_is_imported_not_the_source_tree():
+    package_dir = Path(fused_pool_gelu.__file__).resolve().parent
+    assert not package_dir.is_relative_to(REPO_ROOT), (
+        f"fused_pool_gelu was imported from the source tree ({package_dir}); run pytest from "
+        "another directory so that the installed package is tested"
+    )
+
+
+def test_version_is_a_string_matching_the_installed_distribution():
+    assert isinstance(fused_pool_gelu.__version__, str) and fused_pool_gelu.__version__
+    assert importlib.metadata.version("fused_pool_gelu") == fused_pool_gelu.__version__
+
+
+def test_build_info_has_its_documented_keys_and_types():
+    info = fused_pool_gelu.build_info()
+    expected = {
+        "version": str,
+        "torch": str,
+        "cuda": str,
+        "cuda_archs": str,
+        "with_cuda": bool,
+        "debug": bool,
+        "torch_runtime": str,
+        "cuda_kernels": bool,
+        "cuda_available": bool,
+        "device": str,
+    }
+    assert set(info) == set(expected)
+    for key, kind in expected.items():
+        assert isinstance(info[key], kind), f"build_info()[{key!r}] = {info[key]!r}"
+    assert info["version"] == fused_pool_gelu.__version__
+    assert info["torch_runtime"] == torch.__version__
+    assert info["cuda_available"] == torch.cuda.is_available()
+
+
+def test_build_info_says_the_binary_was_built_against_the_running_torch():
+    info = fused_pool_gelu.build_info()
+    assert info["torch"] == info["torch_runtime"]
+
+
+def test_build_info_cuda_fields_are_consistent():
+    info = fused_pool_gelu.build_info()
+    # CUDA kernels are registered exactly when the binary was compiled with them.
+    assert info["cuda_kernels"] == info["with_cuda"]
+    if info["with_cuda"]:
+        assert info["cuda"] and info["cuda_archs"]
+    else:
+        assert info["cuda"] == "" and info["cuda_archs"] == ""
+
+
+@pytest.mark.parametrize("op", KERNEL_OPS)
+def test_every_op_has_a_cpu_kernel(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_pool_gelu::{op}", "CPU")
+
+
+@pytest.mark.parametrize("op", KERNEL_OPS)
+def test_every_op_has_a_cuda_kernel_when_cuda_kernels_are_built(op):
+    if not fused_pool_gelu.build_info()["cuda_kernels"]:
+        pytest.skip("built without CUDA kernels")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_pool_gelu::{op}", "CUDA")
+
+
+def test_forward_is_composite_over_forward_with_argmax():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(
+        "fused_pool_gelu::forward", "CompositeImplicitAutograd"
+    )
+
+
+def test_public_api_is_exported():
+    for name in fused_pool_gelu.__all__:
+        assert hasattr(fused_pool_gelu, name), name
+    assert fused_pool_gelu.fold is fused_pool_gelu.ops.fold
+    assert fused_pool_gelu.forward is fused_pool_gelu.ops.forward
+    assert fused_pool_gelu.forward_with_argmax is fused_pool_gelu.ops.forward_with_argmax
+
+
+def test_import_without_the_compiled_extension_fails_with_build_instructions(tmp_path):
+    installed = Path(fused_pool_gelu.__file__).resolve().parent
+    copy = tmp_path / "fused_pool_gelu"
+    copy.mkdir()
+    for source in installed.glob("*.py"):
+        shutil.copy(source, copy / source.name)
+    assert not list(copy.glob("_C*")), "the copy must lack the compiled extension"
+
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    code = (
+        "import fused_pool_gelu, sys\n"
+        "print('IMPORTED', fused_pool_gelu.__file__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0, result.stdout
+    assert "IMPORTED" not in result.stdout
+    assert "ImportError" in result.stderr, result.stderr
+    # The message names the missing module and the command that builds it.
+    assert "fused_pool_gelu._C" in result.stderr, result.stderr
+    assert "pip install --no-build-isolation ." in result.stderr, result.stderr
+    # And it comes from the copy, not from the installed package.
+    assert str(copy) in result.stderr, result.stderr

@@ -1,0 +1,268 @@
+"""Gradients: the arg-max backward (forward_backward) and the fold's adjoint against autograd of
+the reference Model, gradcheck in float64, determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.autograd import gradcheck, gradgradcheck
+
+import fused_pool_gelu
+from fused_pool_gelu import ops
+
+_OPS = torch.ops.fused_pool_gelu
+
+# (B, K, O, k)
+SHAPES = [
+    pytest.param((6, 1, 8, 2), id="K=1"),
+    pytest.param((6, 3, 12, 4), id="K=3"),
+    pytest.param((6, 257, 64, 4), id="K=257"),
+    pytest.param((7, 32, 50, 8), id="O%k!=0"),
+    pytest.param((6, 32, 16, 1), id="k=1"),
+    pytest.param((6, 32, 24, 24), id="k=O"),
+    pytest.param((0, 32, 32, 4), id="B=0"),
+    pytest.param((1, 32, 32, 4), id="B=1"),
+    pytest.param((300, 64, 80, 4), id="B=300"),
+]
+
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _model_like(weight, bias, k, scale):
+    out_features, in_features = weight.shape
+    model = fused_pool_gelu.Model(in_features, out_features, k, scale)
+    model = model.to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        model.matmul.weight.copy_(weight)
+        model.matmul.bias.copy_(bias)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fold_forward_gradients_match_model(shape, dtype, device, make_inputs):
+    batch, in_features, out_features, k = shape
+    scale = 2.0
+    x, weight, bias = make_inputs(batch, in_features, out_features, dtype, device)
+    grad_out = torch.randn(batch, dtype=dtype, device=device)
+
+    model = _model_like(weight, bias, k, scale)
+    x_ref = _leaf(x)
+    (model(x_ref) * grad_out).sum().backward()
+
+    x_ours, weight_ours, bias_ours = _leaf(x), _leaf(weight), _leaf(bias)
+    pooled_weight, pooled_bias = ops.fold(weight_ours, bias_ours, k)
+    (ops.forward(x_ours, pooled_weight, pooled_bias, scale) * grad_out).sum().backward()
+
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(weight_ours.grad, model.matmul.weight.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(bias_ours.grad, model.matmul.bias.grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced_columns", "sliced_rows"])
+def test_gradients_for_non_contiguous_x_match_model(layout, device, exact_dtype, make_inputs):
+    batch, in_features, out_features, k = 9, 20, 30, 3
+    _, weight, bias = make_inputs(1, in_features, out_features, exact_dtype, device)
+    gen = dict(dtype=exact_dtype, device=device)
+    if layout == "transposed":
+        base = torch.randn(in_features, batch, **gen)
+        view = lambda b: b.t()  # noqa: E731
+    elif layout == "sliced_columns":
+        base = torch.randn(batch, 2 * in_features + 1, **gen)
+        view = lambda b: b[:, 1::2]  # noqa: E731
+    else:
+        base = torch.randn(2 * batch, in_features, **gen)
+        view = lambda b: b[::2]  # noqa: E731
+    model = _model_like(weight, bias, k, 2.0)
+    base_ref, base_ours = _leaf(base), _leaf(base)
+    model(view(base_ref)).sum().backward()
+    weight_ours, bias_ours = _leaf(weight), _leaf(bias)
+    pooled_weight, pooled_bias = ops.fold(weight_ours, bias_ours, k)
+    ops.forward(view(base_ours), pooled_weight, pooled_bias, 2.0).sum().backward()
+    tol = TOLERANCE[exact_dtype]
+    torch.testing.assert_close(base_ours.grad, base_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(weight_ours.grad, model.matmul.weight.grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("scale", [-1.5, 0.0], ids=str)
+def test_gradients_follow_any_scale(scale, device, exact_dtype, make_inputs):
+    x, weight, bias = make_inputs(8, 16, 12, exact_dtype, device)
+    model = _model_like(weight, bias, 3, scale)
+    x_ref = _leaf(x)
+    model(x_ref).sum().backward()
+    x_ours, weight_ours = _leaf(x), _leaf(weight)
+    pooled_weight, pooled_bias = ops.fold(weight_ours, bias, 3)
+    ops.forward(x_ours, pooled_weight, pooled_bias, scale).sum().backward()
+    tol = TOLERANCE[exact_dtype]
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(weight_ours.grad, model.matmul.weight.grad, atol=tol, rtol=tol)
+
+
+# gradcheck needs float64, a CPU dtype (the CUDA kernels run float32, float16 and bfloat16); the
+# CUDA backward is checked against autograd of Model in float32 by the tests above and below.
+
+
+def _gradcheck_inputs(device="cpu", dtype=torch.float64, batch=4, in_features=5, pooled=3):
+    gen = dict(dtype=dtype, device=device, requires_grad=True)
+    return (
+        torch.randn(batch, in_features, **gen),
+        torch.randn(pooled, in_features, **gen),
+        torch.randn(pooled, **gen),
+    )
+
+
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+def test_gradcheck_forward(has_bias):
+    x, weight, bias = _gradcheck_inputs()
+    if not has_bias:
+        assert gradcheck(lambda x, w: ops.forward(x, w, None, 2.0), (x, weight))
+    else:
+        assert gradcheck(lambda x, w, b: ops.forward(x, w, b, 2.0), (x, weight, bias))
+
+
+def test_gradcheck_forward_with_argmax_out_and_preactivation():
+    x, weight, bias = _gradcheck_inputs()
+
+    def f(x, w, b):
+        out, _, preactivation = ops.forward_with_argmax(x, w, b, -0.7)
+        return out, preactivation
+
+    assert gradcheck(f, (x, weight, bias))
+
+
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("shape", [(9, 4, 3), (8, 3, 8), (5, 2, 1)], ids=str)
+def test_gradcheck_and_gradgradcheck_fold(shape, has_bias):
+    out_features, in_features, k = shape
+    gen = dict(dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(out_features, in_features, **gen)
+    bias = torch.randn(out_features, **gen) if has_bias else None
+    inputs = (weight, bias) if has_bias else (weight,)
+    fold = (lambda w, b: ops.fold(w, b, k)) if has_bias else (lambda w: ops.fold(w, None, k))
+    assert gradcheck(fold, inputs)
+    assert gradgradcheck(fold, inputs)
+
+
+@pytest.mark.parametrize("shape", [(9, 4, 3), (8, 3, 8), (5, 2, 1)], ids=str)
+def test_gradcheck_and_gradgradcheck_fold_backward(shape):
+    out_features, in_features, k = shape
+    gen = dict(dtype=torch.float64, requires_grad=True)
+    grad_pooled_weight = torch.randn(out_features // k, in_features, **gen)
+    grad_pooled_bias = torch.randn(out_features // k, **gen)
+
+    def fold_backward(gw, gb):
+        return _OPS.fold_backward(gw, gb, out_features, k)
+
+    assert gradcheck(fold_backward, (grad_pooled_weight, grad_pooled_bias))
+    assert gradgradcheck(fold_backward, (grad_pooled_weight, grad_pooled_bias))
+
+
+def test_double_backward_of_forward_raises_a_clear_error(device, exact_dtype):
+    x, weight, bias = _gradcheck_inputs(device, exact_dtype)
+    out = ops.forward(x, weight, bias, 2.0)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        grad_x.sum().backward()
+
+
+@pytest.mark.parametrize("used", ["out", "preactivation", "both"])
+def test_gradient_of_preactivation_is_honoured(used, device, exact_dtype, make_inputs):
+    x, weight, bias = make_inputs(10, 24, 6, exact_dtype, device)
+    scale = 1.5
+    g_out = torch.randn(10, dtype=exact_dtype, device=device)
+    g_pre = torch.randn(10, dtype=exact_dtype, device=device)
+
+    leaves = [_leaf(t) for t in (x, weight, bias)]
+    out, argmax, preactivation = ops.forward_with_argmax(*leaves, scale)
+    loss = 0
+    if used != "preactivation":
+        loss = loss + (out * g_out).sum()
+    if used != "out":
+        loss = loss + (preactivation * g_pre).sum()
+    loss.backward()
+
+    # Reference: autograd through the float64 formula, at the same arg-max.
+    ref_leaves = [_leaf(t.double()) for t in (x, weight, bias)]
+    z = ref_leaves[0] @ ref_leaves[1].t() + ref_leaves[2]
+    z_at = z.gather(1, argmax[:, None]).squeeze(1)
+    ref_loss = 0
+    if used != "preactivation":
+        ref_loss = ref_loss + (torch.nn.functional.gelu(z_at) * scale * g_out.double()).sum()
+    if used != "out":
+        ref_loss = ref_loss + (z_at * g_pre.double()).sum()
+    ref_loss.backward()
+    tol = TOLERANCE[exact_dtype]
+    for ours, expected in zip(leaves, ref_leaves):
+        torch.testing.assert_close(ours.grad.double(), expected.grad, atol=tol, rtol=tol)
+
+
+def test_backward_is_deterministic(device, make_inputs):
+    # Many rows share each arg-max, so the scatter-add into grad_weight really has to reduce.
+    x, weight, bias = make_inputs(1000, 600, 120, torch.float32, device)
+
+    def grads():
+        leaves = [_leaf(t) for t in (x, weight, bias)]
+        pooled_weight, pooled_bias = ops.fold(leaves[1], leaves[2], 4)
+        ops.forward(leaves[0], pooled_weight, pooled_bias, 2.0).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    first, second = grads(), grads()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_cpu_backward_does_not_depend_on_the_thread_count(make_inputs):
+    x, weight, bias = make_inputs(700, 900, 8, torch.float32, "cpu")
+    _, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    grad_out = torch.randn(700)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _OPS.forward_backward(grad_out, None, x, weight, argmax, preactivation, 2.0)
+    finally:
+        torch.set_num_threads(threads)
+    torch.set_num_threads(max(threads, 2))
+    try:
+        multi = _OPS.forward_backward(grad_out, None, x, weight, argmax, preactivation, 2.0)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(single, multi):
+        assert torch.equal(a, b)
+
+
+def test_bias_none_gives_no_bias_gradient(device, exact_dtype, make_inputs):
+    x, weight, _ = make_inputs(8, 16, 12, exact_dtype, device, bias=False)
+    x_ours, weight_ours = _leaf(x), _leaf(weight)
+    pooled_weight, pooled_bias = ops.fold(weight_ours, None, 3)
+    ops.forward(x_ours, pooled_weight, None, 2.0).sum().backward()
+
+    linear = torch.nn.Linear(16, 12, bias=False).to(device=device, dtype=exact_dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    x_ref = _leaf(x)
+    y = torch.nn.functional.avg_pool1d(linear(x_ref).unsqueeze(1), 3).squeeze(1)
+    (torch.nn.functional.gelu(y) * 2.0).max(dim=1).values.sum().backward()
+
+    tol = TOLERANCE[exact_dtype]
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(weight_ours.grad, linear.weight.grad, atol=tol, rtol=tol)
+    # The zero pooled bias of a bias-free fold depends on nothing: no gradient flows from it.
+    (grad_weight,) = torch.autograd.grad(pooled_bias.sum(), weight_ours, allow_unused=True)
+    assert grad_weight is None or not bool(grad_weight.any())
+
+
+def test_forward_without_bias_matches_reference_gradients(device, exact_dtype, make_inputs):
+    x, weight, _ = make_inputs(5, 8, 3, exact_dtype, device, bias=False)
+    x, weight = _leaf(x), _leaf(weight)
+    grads = torch.autograd.grad(ops.forward(x, weight, None, 2.0).sum(), (x, weight))
+    x_ref, weight_ref = _leaf(x), _leaf(weight)
+    ref = (torch.nn.functional.gelu(x_ref @ weight_ref.t()) * 2.0).max(dim=1).values
+    expected = torch.autograd.grad(ref.sum(), (x_ref, weight_ref))
+    tol = TOLERANCE[exact_dtype]
+    for ours, theirs in zip(grads, expected):
+        torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)

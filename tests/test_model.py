@@ -1,0 +1,475 @@
+"""ModelNew as a drop-in replacement for Model: parameters, state_dict, outputs, training, the fold
+cache, serialization and DistributedDataParallel."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fused_pool_gelu
+from fused_pool_gelu import Model, ModelNew, ops
+
+# (in_features, out_features, pool_kernel_size, scale_factor)
+ARGS = [
+    pytest.param((64, 64, 4, 2.0), id="64x64,k=4"),
+    pytest.param((50, 30, 7, 2.0), id="O%k!=0"),
+    pytest.param((32, 32, 32, -1.0), id="k=O"),
+    pytest.param((3, 16, 1, 0.5), id="K=3,k=1"),
+]
+
+
+def _pair(args, device="cpu", dtype=torch.float32, seed=1234):
+    torch.manual_seed(seed)
+    model = Model(*args).to(device=device, dtype=dtype)
+    torch.manual_seed(seed)
+    new = ModelNew(*args).to(device=device, dtype=dtype)
+    return model, new
+
+
+@pytest.fixture
+def fold_calls(monkeypatch):
+    """Counts calls of ops.fold made through fused_pool_gelu.ops (what ModelNew calls)."""
+    calls = []
+    real_fold = ops.fold
+
+    def counting_fold(*args, **kwargs):
+        calls.append(args)
+        return real_fold(*args, **kwargs)
+
+    monkeypatch.setattr(fused_pool_gelu.ops, "fold", counting_fold)
+    return calls
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters and state
+
+
+@pytest.mark.parametrize("args", ARGS)
+def test_same_seed_gives_bitwise_equal_parameters(args):
+    model, new = _pair(args)
+    ref_params = dict(model.named_parameters())
+    new_params = dict(new.named_parameters())
+    assert list(ref_params) == list(new_params) == ["matmul.weight", "matmul.bias"]
+    for name, p in ref_params.items():
+        assert torch.equal(new_params[name], p), name
+
+
+def test_same_seed_leaves_the_rng_in_the_same_state():
+    torch.manual_seed(7)
+    Model(40, 24, 4, 2.0)
+    after_model = torch.rand(3)
+    torch.manual_seed(7)
+    ModelNew(40, 24, 4, 2.0)
+    after_new = torch.rand(3)
+    assert torch.equal(after_model, after_new)
+
+
+def test_state_dicts_have_the_same_keys_and_shapes():
+    model, new = _pair((40, 24, 4, 2.0))
+    ref, ours = model.state_dict(), new.state_dict()
+    assert list(ref) == list(ours)
+    assert all(ref[k].shape == ours[k].shape for k in ref)
+
+
+@pytest.mark.parametrize("direction", ["model_to_new", "new_to_model"])
+def test_state_dict_loads_strictly_both_ways(direction):
+    args = (40, 24, 4, 2.0)
+    torch.manual_seed(1)
+    source_model, source_new = Model(*args), ModelNew(*args)
+    torch.manual_seed(2)
+    target_model, target_new = Model(*args), ModelNew(*args)
+    x = torch.randn(8, 40)
+    if direction == "model_to_new":
+        target_new.load_state_dict(source_model.state_dict(), strict=True)
+        expected, got = source_model(x), target_new(x)
+        source, target = source_model, target_new
+    else:
+        target_model.load_state_dict(source_new.state_dict(), strict=True)
+        expected, got = source_new(x), target_model(x)
+        source, target = source_new, target_model
+    for (_, a), (_, b) in zip(source.named_parameters(), target.named_parameters()):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_from_model_copies_the_parameters():
+    torch.manual_seed(3)
+    model = Model(40, 26, 4, -2.0)
+    new = ModelNew.from_model(model)
+    assert new.pool_kernel_size == 4 and new.scale_factor == -2.0
+    for (_, a), (_, b) in zip(model.named_parameters(), new.named_parameters()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    x = torch.randn(8, 40)
+    torch.testing.assert_close(new(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+def test_from_model_is_independent_of_the_source():
+    torch.manual_seed(3)
+    model = Model(40, 24, 4, 2.0)
+    new = ModelNew.from_model(model)
+    before = new.matmul.weight.detach().clone()
+    with torch.no_grad():
+        model.matmul.weight.add_(1.0)
+    assert torch.equal(new.matmul.weight, before)
+
+
+def test_from_model_keeps_dtype_and_requires_grad():
+    model = Model(16, 8, 2, 2.0).double()
+    model.matmul.bias.requires_grad_(False)
+    new = ModelNew.from_model(model)
+    assert new.matmul.weight.dtype == torch.float64
+    assert new.matmul.weight.requires_grad and not new.matmul.bias.requires_grad
+
+
+@pytest.mark.parametrize("pool_kernel_size", [0, -1, 2.5])
+def test_invalid_pool_kernel_size_is_rejected(pool_kernel_size):
+    with pytest.raises(ValueError, match="pool_kernel_size must be a positive integer"):
+        ModelNew(16, 8, pool_kernel_size, 2.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+
+
+@pytest.mark.parametrize("batch", [1, 17])
+@pytest.mark.parametrize("args", ARGS)
+def test_forward_matches_model(args, batch, device):
+    model, new = _pair(args, device)
+    x = torch.rand(batch, args[0], device=device)  # KernelBench draws x with torch.rand
+    out = new(x)
+    assert out.shape == (batch,) and out.dtype == torch.float32
+    torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("args", ARGS)
+def test_forward_matches_model_in_float64(args):
+    model, new = _pair(args, "cpu", torch.float64)  # float64 is a CPU dtype
+    x = torch.randn(9, args[0], dtype=torch.float64)
+    torch.testing.assert_close(new(x), model(x), atol=1e-10, rtol=1e-10)
+
+
+def test_forward_under_no_grad_equals_forward_with_grad(device):
+    _, new = _pair((48, 40, 4, 2.0), device)
+    x = torch.randn(12, 48, device=device)
+    with_grad = new(x)
+    with torch.no_grad():
+        without = new(x)
+    assert torch.equal(with_grad.detach(), without)
+
+
+def test_forward_of_an_empty_batch_is_empty(device):
+    _, new = _pair((48, 40, 4, 2.0), device)
+    out = new(torch.randn(0, 48, device=device))
+    assert out.shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+def test_autocast_output_matches_model_under_autocast(dtype, device):
+    model, new = _pair((64, 48, 4, 2.0), device)
+    x = torch.rand(16, 64, device=device)
+    with torch.autocast(device, dtype=dtype):
+        expected = model(x)
+        out = new(x)
+        with torch.no_grad():
+            cached = new(x)
+    assert out.dtype == expected.dtype == cached.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(cached.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training side by side
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        pytest.param(lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), id="SGD"),
+        pytest.param(lambda p: torch.optim.Adam(p, lr=1e-2), id="Adam"),
+    ],
+)
+def test_optimizer_steps_keep_model_new_equal_to_model(optimizer, device):
+    args = (48, 40, 4, 2.0)
+    model, new = _pair(args, device)
+    opt_model, opt_new = optimizer(model.parameters()), optimizer(new.parameters())
+    x_eval = torch.randn(16, 48, device=device)
+    for _ in range(6):
+        x = torch.randn(32, 48, device=device)
+        target = torch.randn(32, device=device)
+        losses = []
+        for m, opt in ((model, opt_model), (new, opt_new)):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), target)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], atol=1e-4, rtol=1e-4)
+        for (_, a), (_, b) in zip(model.named_parameters(), new.named_parameters()):
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+        # Inference between steps goes through the fold cache: it must follow the update.
+        with torch.no_grad():
+            torch.testing.assert_close(new(x_eval), model(x_eval), atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fold cache
+
+
+def _new_and_input(device="cpu", args=(48, 40, 4, 2.0)):
+    torch.manual_seed(11)
+    new = ModelNew(*args).to(device)
+    return new, torch.randn(10, args[0], device=device)
+
+
+def _expected(new, x):
+    """Model with new's current parameters, on x (fresh, no cache)."""
+    model = Model(new.matmul.in_features, new.matmul.out_features, new.pool_kernel_size,
+                  new.scale_factor)
+    model = model.to(device=new.matmul.weight.device, dtype=new.matmul.weight.dtype)
+    model.load_state_dict(new.state_dict())
+    with torch.no_grad():
+        return model(x.to(new.matmul.weight.dtype))
+
+
+def test_no_grad_calls_reuse_the_cached_fold(fold_calls, device):
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        first = new(x)
+        second = new(x)
+        third = new(x)
+    assert len(fold_calls) == 1
+    assert torch.equal(first, second) and torch.equal(first, third)
+
+
+def test_parameters_without_requires_grad_use_the_cache_with_grad_enabled(fold_calls, device):
+    new, x = _new_and_input(device)
+    new.requires_grad_(False)
+    new(x)
+    new(x)
+    assert len(fold_calls) == 1
+
+
+def test_cache_refolds_after_in_place_edit_under_no_grad(fold_calls, device):
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        new(x)
+        new.matmul.weight.mul_(-1.5)
+        edited = new(x)
+    assert len(fold_calls) == 2
+    torch.testing.assert_close(edited, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_refolds_after_in_place_edit_of_the_bias(fold_calls, device):
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        before = new(x)
+        new.matmul.bias.add_(0.5)
+        after = new(x)
+    assert len(fold_calls) == 2 and not torch.equal(before, after)
+    torch.testing.assert_close(after, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
+def test_cache_refolds_after_load_state_dict(assign, fold_calls, device):
+    new, x = _new_and_input(device)
+    torch.manual_seed(99)
+    other = Model(48, 40, 4, 2.0).to(device)
+    with torch.no_grad():
+        new(x)
+        new.load_state_dict(other.state_dict(), assign=assign)
+        out = new(x)
+        expected = other(x)
+    assert len(fold_calls) == 2
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        pytest.param(lambda m: m.double(), id="double"),
+        pytest.param(lambda m: m.to(torch.float64), id="to_float64"),
+    ],
+)
+def test_cache_refolds_after_dtype_conversion(convert, fold_calls):
+    new, x = _new_and_input()  # float64 is a CPU dtype; test_cuda.py moves between devices
+    with torch.no_grad():
+        new(x)
+        convert(new)
+        out = new(x.to(new.matmul.weight.dtype))
+    assert len(fold_calls) == 2
+    assert out.dtype == new.matmul.weight.dtype
+    torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_follows_a_dtype_round_trip_that_changes_the_values():
+    # .half().float() rounds the parameters. nn.Module._apply swaps in new storage through
+    # `param.data = ...`, which leaves the version counter alone, and the allocator often hands
+    # back the address just freed: identity, pointer, version, dtype and device can then all match
+    # the cached stamp. Many fresh models of several sizes (several allocator size classes) make
+    # that coincidence near certain to occur at least once.
+    sizes = [(48, 40), (64, 64), (96, 32), (32, 96), (128, 128), (40, 48), (200, 100)]
+    for trial in range(700):
+        in_features, out_features = sizes[trial % len(sizes)]
+        torch.manual_seed(trial)
+        new = ModelNew(in_features, out_features, 4, 2.0)
+        x = torch.randn(10, in_features)
+        with torch.no_grad():
+            new(x)
+            new.half().float()
+            out = new(x)
+            fresh = ops.forward(
+                x, *ops.fold(new.matmul.weight, new.matmul.bias, 4), new.scale_factor
+            )
+        assert torch.equal(out, fresh), f"stale fold after .half().float() (trial {trial})"
+
+
+def test_cache_refolds_after_replacing_a_parameter(fold_calls, device):
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        new(x)
+        new.matmul.weight = torch.nn.Parameter(torch.randn_like(new.matmul.weight) * 0.1)
+        out = new(x)
+    assert len(fold_calls) == 2
+    torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
+def test_invalidate_fold_forces_a_refold_after_a_data_edit(fold_calls, device):
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        new(x)
+        new.matmul.weight.data.mul_(-2.0)  # bypasses the version counter
+        new.invalidate_fold()
+        out = new(x)
+    assert len(fold_calls) == 2
+    torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
+def test_grad_enabled_folds_every_call_and_the_weight_gets_a_gradient(fold_calls, device):
+    new, x = _new_and_input(device)
+    new(x).sum().backward()
+    new(x).sum().backward()
+    assert len(fold_calls) == 2
+    assert new.matmul.weight.grad is not None and new.matmul.bias.grad is not None
+    assert bool(new.matmul.weight.grad.any()) and bool(new.matmul.bias.grad.any())
+
+
+def _frozen_pair(device):
+    torch.manual_seed(21)
+    model = Model(48, 40, 4, 2.0).to(device).requires_grad_(False)
+    return model, ModelNew.from_model(model)
+
+
+def _input_gradient(module, x):
+    x = x.clone().requires_grad_(True)
+    module(x).sum().backward()
+    return x.grad
+
+
+def test_frozen_model_gives_input_gradients(device):
+    model, new = _frozen_pair(device)
+    x = torch.randn(12, 48, device=device)
+    torch.testing.assert_close(
+        _input_gradient(new, x), _input_gradient(model, x), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_frozen_model_gives_input_gradients_after_an_inference_mode_call(device):
+    # Inference first (the fold gets cached), then input gradients (saliency, adversarial
+    # examples): the cached fold must still be usable by autograd.
+    model, new = _frozen_pair(device)
+    x = torch.randn(12, 48, device=device)
+    with torch.inference_mode():
+        new(x)
+    torch.testing.assert_close(
+        _input_gradient(new, x), _input_gradient(model, x), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_folded_parameters_are_the_fold_of_the_current_weights(device):
+    new, x = _new_and_input(device)
+    pooled_weight, pooled_bias = new.folded_parameters()
+    expected_weight, expected_bias = ops.fold(new.matmul.weight, new.matmul.bias, 4)
+    assert torch.equal(pooled_weight, expected_weight.detach())
+    assert torch.equal(pooled_bias, expected_bias.detach())
+    assert not pooled_weight.requires_grad
+
+
+# ----------------------------------------------------------------------------------------------
+# Serialization
+
+
+def test_deepcopy_after_a_cached_forward_gives_an_equal_independent_model(device):
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        expected = new(x)  # the cache now holds weak references
+    clone = copy.deepcopy(new)
+    with torch.no_grad():
+        assert torch.equal(clone(x), expected)
+        clone.matmul.weight.mul_(2.0)
+        assert torch.equal(new(x), expected)
+        torch.testing.assert_close(clone(x), _expected(clone, x), atol=1e-5, rtol=1e-5)
+
+
+def test_pickle_round_trip_after_a_cached_forward(device):
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        expected = new(x)
+    restored = pickle.loads(pickle.dumps(new))
+    with torch.no_grad():
+        assert torch.equal(restored(x), expected)
+
+
+def test_torch_save_and_load_of_the_whole_module():
+    new, x = _new_and_input()
+    with torch.no_grad():
+        expected = new(x)
+    buffer = io.BytesIO()
+    torch.save(new, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(restored(x), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# DistributedDataParallel (gloo, 2 CPU processes)
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_gradients_equal_single_process_gradients(tmp_path):
+    args, batch = (48, 40, 4, 2.0), 16
+    worker = Path(__file__).with_name("_ddp_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, str(worker), str(tmp_path), str(_free_port())]
+    command += [str(a) for a in args] + [str(batch)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    torch.manual_seed(0)
+    model = ModelNew(*args)
+    torch.manual_seed(1)
+    x = torch.randn(batch, args[0])
+    model(x).mean().backward()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, p in model.named_parameters():
+        for saved in ranks:
+            torch.testing.assert_close(saved["grads"][name], p.grad, atol=1e-6, rtol=1e-5)
+    # Each rank's loss is the mean over its own half of the batch.
+    with torch.no_grad():
+        halves = [model(h).mean() for h in x.chunk(2)]
+    for saved, expected in zip(ranks, halves):
+        torch.testing.assert_close(saved["loss"], expected, atol=1e-6, rtol=1e-6)

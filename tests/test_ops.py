@@ -1,0 +1,730 @@
+"""The ops (fold, fold_backward, forward, forward_with_argmax, forward_backward) as specifications.
+
+Each op is compared with plain PyTorch float64 formulas (conftest ``ref``), across the shapes
+that break kernels: tiny K, O % k != 0, k = 1, k = O, empty and single-row batches,
+non-contiguous inputs, special values; then opcheck and the documented errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.library import opcheck
+
+from fused_pool_gelu import ops
+
+_OPS = torch.ops.fused_pool_gelu
+
+DTYPES = [torch.float32, torch.float64]
+
+# (B, K, O, k): batch, in_features, out_features, pool kernel size.
+SHAPES = [
+    pytest.param((5, 1, 8, 2), id="K=1"),
+    pytest.param((5, 3, 12, 4), id="K=3"),
+    pytest.param((5, 257, 64, 4), id="K=257"),
+    pytest.param((7, 32, 50, 8), id="O%k!=0"),
+    pytest.param((5, 32, 16, 1), id="k=1"),
+    pytest.param((5, 32, 24, 24), id="k=O"),
+    pytest.param((0, 32, 32, 4), id="B=0"),
+    pytest.param((1, 32, 32, 4), id="B=1"),
+    pytest.param((5, 16, 1, 1), id="N=1,O=1"),
+    pytest.param((300, 96, 80, 4), id="B=300"),
+]
+
+
+def _pooled_inputs(make_inputs, shape, dtype, device, bias=True):
+    """x [B, K] and a pooled weight [N = O // k, K] with its bias [N] (or None)."""
+    batch, in_features, out_features, k = shape
+    x, weight, b = make_inputs(batch, in_features, out_features // k, dtype, device, bias=bias)
+    return x, weight, b
+
+
+# ----------------------------------------------------------------------------------------------
+# fold / fold_backward
+
+
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fold_returns_group_means_of_rows(shape, dtype, has_bias, device, make_inputs, ref):
+    _, in_features, out_features, k = shape
+    _, weight, bias = make_inputs(1, in_features, out_features, dtype, device, bias=has_bias)
+    pooled_weight, pooled_bias = ops.fold(weight, bias, k)
+    expected_weight, expected_bias = ref.fold(weight, bias, k)
+    n = out_features // k
+    assert pooled_weight.shape == (n, in_features) and pooled_bias.shape == (n,)
+    assert pooled_weight.dtype == dtype and pooled_bias.dtype == dtype
+    assert pooled_weight.device == weight.device and pooled_bias.device == weight.device
+    tol = ref.tolerance(dtype)
+    torch.testing.assert_close(pooled_weight.double(), expected_weight, atol=tol, rtol=tol)
+    torch.testing.assert_close(pooled_bias.double(), expected_bias, atol=tol, rtol=tol)
+
+
+def test_fold_without_bias_gives_zero_pooled_bias(device, make_inputs):
+    _, weight, _ = make_inputs(1, 8, 12, torch.float32, device, bias=False)
+    _, pooled_bias = ops.fold(weight, None, 3)
+    assert torch.equal(pooled_bias, torch.zeros(4, device=device))
+
+
+def test_fold_drops_the_tail_rows(device, make_inputs):
+    _, weight, bias = make_inputs(1, 8, 11, torch.float32, device)
+    changed_weight, changed_bias = weight.clone(), bias.clone()
+    changed_weight[9:] = torch.randn(2, 8, device=device)
+    changed_bias[9:] = torch.randn(2, device=device)
+    for a, b in zip(ops.fold(weight, bias, 3), ops.fold(changed_weight, changed_bias, 3)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "layout", ["transposed", "sliced_rows", "sliced_columns", "expanded"]
+)
+def test_fold_accepts_non_contiguous_weight(layout, device, ref):
+    out_features, in_features, k = 12, 10, 3
+    if layout == "transposed":
+        weight = torch.randn(in_features, out_features, device=device).t()
+    elif layout == "sliced_rows":
+        weight = torch.randn(2 * out_features, in_features, device=device)[::2]
+    elif layout == "sliced_columns":
+        weight = torch.randn(out_features, 2 * in_features + 1, device=device)[:, 1::2]
+    else:
+        weight = torch.randn(1, in_features, device=device).expand(out_features, in_features)
+    bias = torch.randn(2 * out_features, device=device)[::2]
+    assert not weight.is_contiguous()
+    pooled_weight, pooled_bias = ops.fold(weight, bias, k)
+    expected_weight, expected_bias = ref.fold(weight, bias, k)
+    torch.testing.assert_close(pooled_weight.double(), expected_weight, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pooled_bias.double(), expected_bias, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(9, 4, 3), (8, 5, 8), (7, 3, 1), (1, 2, 1)], ids=str)
+def test_fold_backward_spreads_each_pooled_row_over_its_group_divided_by_k(
+    shape, dtype, device
+):
+    out_features, in_features, k = shape
+    n = out_features // k
+    grad_pooled_weight = torch.randn(n, in_features, dtype=dtype, device=device)
+    grad_pooled_bias = torch.randn(n, dtype=dtype, device=device)
+    grad_weight, grad_bias = _OPS.fold_backward(
+        grad_pooled_weight, grad_pooled_bias, out_features, k
+    )
+    expected_weight = torch.zeros(out_features, in_features, dtype=torch.float64, device=device)
+    expected_bias = torch.zeros(out_features, dtype=torch.float64, device=device)
+    expected_weight[: n * k] = grad_pooled_weight.double().repeat_interleave(k, dim=0) / k
+    expected_bias[: n * k] = grad_pooled_bias.double().repeat_interleave(k) / k
+    assert grad_weight.shape == (out_features, in_features) and grad_weight.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(grad_weight.double(), expected_weight, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad_bias.double(), expected_bias, atol=tol, rtol=tol)
+
+
+def test_fold_backward_is_the_adjoint_of_fold(device, exact_dtype, ref):
+    # <fold(W, b), (G, g)> == <(W, b), fold_backward(G, g)> for every W, b, G, g.
+    out_features, in_features, k = 14, 6, 4
+    gen = dict(dtype=exact_dtype, device=device)
+    weight = torch.randn(out_features, in_features, **gen)
+    bias = torch.randn(out_features, **gen)
+    grad_w = torch.randn(out_features // k, in_features, **gen)
+    grad_b = torch.randn(out_features // k, **gen)
+    pooled_weight, pooled_bias = ops.fold(weight, bias, k)
+    back_w, back_b = _OPS.fold_backward(grad_w, grad_b, out_features, k)
+    lhs = (pooled_weight * grad_w).sum() + (pooled_bias * grad_b).sum()
+    rhs = (weight * back_w).sum() + (bias * back_b).sum()
+    tol = ref.tolerance(exact_dtype)
+    torch.testing.assert_close(lhs, rhs, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# forward / forward_with_argmax
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_with_argmax_matches_reference(shape, dtype, device, make_inputs, check_forward):
+    x, weight, bias = _pooled_inputs(make_inputs, shape, dtype, device)
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fold_then_forward_matches_model(shape, dtype, device, make_inputs, ref):
+    batch, in_features, out_features, k = shape
+    x, weight, bias = make_inputs(batch, in_features, out_features, dtype, device)
+    pooled_weight, pooled_bias = ops.fold(weight, bias, k)
+    out = ops.forward(x, pooled_weight, pooled_bias, 2.0)
+    expected = ref.model_forward(x, weight, bias, k, 2.0)
+    assert out.shape == (batch,) and out.dtype == dtype
+    tol = ref.tolerance(dtype)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(
+    batch=st.integers(0, 9),
+    in_features=st.integers(1, 40),
+    out_features=st.integers(1, 40),
+    k_fraction=st.floats(0.0, 1.0),
+    scale=st.floats(-4.0, 4.0, allow_nan=False),
+    has_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fold_then_forward_matches_model_on_any_shape(
+    batch, in_features, out_features, k_fraction, scale, has_bias, seed
+):
+    # Property form of the shape list above (CPU, float64): any K, any O, any 1 <= k <= O.
+    k = 1 + int(k_fraction * (out_features - 1))
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, in_features, dtype=torch.float64, generator=generator)
+    weight = torch.randn(out_features, in_features, dtype=torch.float64, generator=generator)
+    bias = torch.randn(out_features, dtype=torch.float64, generator=generator) if has_bias else None
+    out = ops.forward(x, *ops.fold(weight, bias, k), scale)
+    expected = _model_forward64(x, weight, bias, k, scale)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+
+
+def _model_forward64(x, weight, bias, k, scale):
+    y = x @ weight.t() + (0 if bias is None else bias)
+    y = torch.nn.functional.avg_pool1d(y.unsqueeze(1), k).squeeze(1)
+    return (torch.nn.functional.gelu(y) * scale).max(dim=1).values
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_equals_out_of_forward_with_argmax(dtype, device, make_inputs):
+    x, weight, bias = make_inputs(9, 40, 6, dtype, device)
+    out = ops.forward(x, weight, bias, 1.5)
+    out_with_argmax, _, _ = ops.forward_with_argmax(x, weight, bias, 1.5)
+    assert torch.equal(out, out_with_argmax)
+
+
+@pytest.mark.parametrize("scale", [2.0, -1.5, 0.0, 1e-3], ids=str)
+def test_forward_honours_any_scale(scale, device, exact_dtype, make_inputs, check_forward):
+    x, weight, bias = make_inputs(16, 24, 9, exact_dtype, device)
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
+    check_forward(out, argmax, preactivation, x, weight, bias, scale)
+
+
+def test_forward_with_zero_scale_returns_zero_at_the_first_index(device, make_inputs):
+    x, weight, bias = make_inputs(6, 16, 5, torch.float32, device)
+    out, argmax, _ = ops.forward_with_argmax(x, weight, bias, 0.0)
+    assert torch.equal(out.abs(), torch.zeros(6, device=device))
+    assert torch.equal(argmax, torch.zeros(6, dtype=torch.long, device=device))
+
+
+def test_negative_scale_takes_the_smallest_gelu(device, exact_dtype, make_inputs, ref):
+    x, weight, bias = make_inputs(10, 16, 7, exact_dtype, device)
+    out = ops.forward(x, weight, bias, -3.0)
+    gelu = ref.values(x, weight, bias, 1.0)
+    tol = ref.tolerance(exact_dtype)
+    torch.testing.assert_close(
+        out.double(), -3.0 * gelu.min(dim=1).values, atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_with_bias_none_equals_zero_bias(dtype, device, make_inputs, check_forward):
+    x, weight, _ = make_inputs(8, 20, 6, dtype, device, bias=False)
+    result = ops.forward_with_argmax(x, weight, None, 2.0)
+    check_forward(*result, x, weight, None, 2.0)
+    with_zeros = ops.forward_with_argmax(x, weight, torch.zeros(6, dtype=dtype, device=device), 2.0)
+    for a, b in zip(result, with_zeros):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+X_LAYOUTS = ["transposed", "sliced_columns", "offset_columns", "sliced_rows", "expanded"]
+
+
+def _x_with_layout(layout, batch, in_features, dtype, device):
+    if layout == "transposed":
+        x = torch.randn(in_features, batch, dtype=dtype, device=device).t()
+    elif layout == "sliced_columns":
+        x = torch.randn(batch, 2 * in_features, dtype=dtype, device=device)[:, ::2]
+    elif layout == "offset_columns":
+        x = torch.randn(batch, in_features + 3, dtype=dtype, device=device)[:, 3:]
+    elif layout == "sliced_rows":
+        x = torch.randn(3 * batch, in_features, dtype=dtype, device=device)[1::3]
+    elif layout == "expanded":
+        x = torch.randn(1, in_features, dtype=dtype, device=device).expand(batch, in_features)
+    else:
+        raise ValueError(layout)
+    assert not x.is_contiguous()
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", X_LAYOUTS)
+def test_forward_accepts_non_contiguous_x(layout, dtype, device, make_inputs, check_forward):
+    _, weight, bias = make_inputs(1, 33, 7, dtype, device)
+    x = _x_with_layout(layout, 10, 33, dtype, device)
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced_rows", "sliced_columns"])
+def test_forward_accepts_non_contiguous_weight_and_bias(layout, device, make_inputs, check_forward):
+    x, _, _ = make_inputs(10, 33, 7, torch.float32, device)
+    n, in_features = 7, 33
+    if layout == "transposed":
+        weight = torch.randn(in_features, n, device=device).t()
+    elif layout == "sliced_rows":
+        weight = torch.randn(2 * n, in_features, device=device)[::2]
+    else:
+        weight = torch.randn(n, 2 * in_features, device=device)[:, 1::2]
+    weight = weight / in_features**0.5
+    bias = torch.randn(2 * n, device=device)[1::2]
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_forward_small_batches_have_matching_shapes(batch, device, make_inputs):
+    x, weight, bias = make_inputs(batch, 12, 4, torch.float32, device)
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    assert out.shape == argmax.shape == preactivation.shape == (batch,)
+    assert argmax.dtype == torch.int64
+    assert ops.forward(x, weight, bias, 2.0).shape == (batch,)
+
+
+def _exact_tie_inputs(batch, in_features, dtype, device):
+    """Weight rows and biases duplicated in an interleaved order, values on a dyadic grid so that
+    every dot product is exact whatever the summation order: duplicate columns tie bitwise."""
+    base_rows = 4
+    order = torch.tensor([2, 0, 3, 1, 0, 2, 1, 3, 3, 0])  # each base row appears 2-3 times
+    x = torch.randint(-3, 4, (batch, in_features)).to(dtype) / 4
+    base_weight = torch.randint(-4, 5, (base_rows, in_features)).to(dtype) / 8
+    base_bias = torch.randint(-4, 5, (base_rows,)).to(dtype) / 8
+    return (
+        x.to(device),
+        base_weight[order].contiguous().to(device),
+        base_bias[order].contiguous().to(device),
+        order,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [2.0, -0.5])
+def test_argmax_ties_go_to_the_smallest_index(scale, dtype, device, ref):
+    x, weight, bias, order = _exact_tie_inputs(40, 24, dtype, device)
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
+    values = ref.values(x, weight, bias, scale)
+    best, first = torch.max(values, dim=1)
+    # The test only means something if each row's maximum is reached at least twice.
+    assert bool(((values == best[:, None]).sum(dim=1) >= 2).all())
+    assert torch.equal(argmax, first)
+    # and the first occurrence of each base row is the one chosen.
+    first_of_base = {int(r): i for i, r in reversed(list(enumerate(order.tolist())))}
+    assert all(int(a) == first_of_base[int(order[a])] for a in argmax.cpu())
+    tol = ref.tolerance(dtype)
+    torch.testing.assert_close(out.double(), best, atol=tol, rtol=tol)
+
+
+def test_argmax_ties_among_all_columns_pick_index_zero(device):
+    # Dyadic values: every dot product is exact, so the six identical columns tie bitwise.
+    x = (torch.randint(-3, 4, (5, 12)) / 4).to(device)
+    weight = (torch.randint(-4, 5, (1, 12)) / 8).expand(6, 12).contiguous().to(device)
+    _, argmax, _ = ops.forward_with_argmax(x, weight, torch.full((6,), 0.25, device=device), 2.0)
+    assert torch.equal(argmax, torch.zeros(5, dtype=torch.long, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("where", ["x_row", "weight_rows", "bias_entries"])
+def test_nan_makes_the_output_nan_at_the_first_nan_index(
+    where, dtype, device, make_inputs, check_forward, ref
+):
+    x, weight, bias = make_inputs(8, 20, 9, dtype, device)
+    if where == "x_row":
+        x[3, 7] = float("nan")
+    elif where == "weight_rows":
+        weight[6, 2] = float("nan")
+        weight[4, 11] = float("nan")
+    else:
+        bias[5] = float("nan")
+        bias[8] = float("nan")
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    expected_best, expected_index = torch.max(ref.values(x, weight, bias, 2.0), dim=1)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected_best))
+    assert bool(torch.isnan(out).any())
+    nan_rows = torch.isnan(expected_best)
+    assert torch.equal(argmax[nan_rows], expected_index[nan_rows])
+    if where == "x_row":
+        assert torch.isnan(out).nonzero().flatten().tolist() == [3]
+    elif where == "weight_rows":
+        assert bool((argmax == 4).all())
+    else:
+        assert bool((argmax == 5).all())
+
+
+# README "Non-finite values": a row holding any non-finite pre-activation gives NaN, with the arg-max
+# at its first non-finite column. (case, the row(s) affected, the expected arg-max there).
+INF_CASES = {
+    "x_inf_positive_column": ([2], 0),  # every z of row 2 is +inf
+    "x_inf_mixed_signs": ([2], 0),  # +inf and -inf in row 2
+    "bias_pos_inf": (None, 4),  # column 4 is +inf in every row
+    "bias_pos_and_neg_inf": (None, 3),  # column 5 is +inf and column 3 -inf in every row
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(INF_CASES))
+def test_inf_input_gives_nan_at_the_first_non_finite_column(
+    case, dtype, device, make_inputs, check_forward
+):
+    x, weight, bias = make_inputs(6, 16, 7, dtype, device)
+    if case == "x_inf_positive_column":
+        weight[:, 5] = weight[:, 5].abs() + 0.1
+        x[2, 5] = float("inf")
+    elif case == "x_inf_mixed_signs":
+        weight[:, 5] = torch.linspace(-1, 1, 7, dtype=dtype, device=device) + 0.05
+        x[2, 5] = float("-inf")
+    elif case == "bias_pos_inf":
+        bias[4] = float("inf")
+    else:
+        bias[5] = float("inf")
+        bias[3] = float("-inf")
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    rows, column = INF_CASES[case]
+    rows = list(range(6)) if rows is None else rows
+    assert torch.isnan(out).nonzero().flatten().tolist() == rows
+    assert argmax[rows].tolist() == [column] * len(rows)
+    assert not bool(torch.isfinite(preactivation[rows]).any())
+
+
+def test_overflowing_preactivation_gives_nan_at_its_column(device, make_inputs):
+    # Finite float32 inputs whose dot product overflows: row 2 of z is +inf at column 4 only.
+    x, weight, bias = make_inputs(5, 16, 7, torch.float32, device)
+    x[2] = 3e37
+    weight[4] = 1.0
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    assert torch.isnan(out).nonzero().flatten().tolist() == [2]
+    assert int(argmax[2]) == 4 and not bool(torch.isfinite(preactivation[2]))
+    assert bool(torch.isfinite(out[[0, 1, 3, 4]]).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_preactivation_is_z_at_the_argmax(dtype, device, make_inputs, ref):
+    x, weight, bias = make_inputs(12, 50, 10, dtype, device)
+    _, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, -2.0)
+    z = ref.preactivation(x, weight, bias)
+    tol = ref.tolerance(dtype)
+    torch.testing.assert_close(
+        preactivation.double(), z.gather(1, argmax[:, None]).squeeze(1), atol=tol, rtol=tol
+    )
+
+
+def test_forward_is_deterministic_run_to_run(device, make_inputs):
+    x, weight, bias = make_inputs(600, 300, 40, torch.float32, device)
+    first = ops.forward_with_argmax(x, weight, bias, 2.0)
+    second = ops.forward_with_argmax(x, weight, bias, 2.0)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck (schema, autograd registration, fake tensor, AOT dispatch)
+
+
+def _opcheck_cases(device, requires_grad):
+    gen = dict(dtype=torch.float64 if device == "cpu" else torch.float32, device=device)
+    weight = torch.randn(10, 7, **gen)
+    bias = torch.randn(10, **gen)
+    x = torch.randn(5, 7, **gen)
+    pooled_weight, pooled_bias = ops.fold(weight, bias, 3)
+    _, argmax, preactivation = ops.forward_with_argmax(x, pooled_weight, pooled_bias, 2.0)
+
+    def leaf(t):
+        return t.detach().clone().requires_grad_(requires_grad)
+
+    return {
+        "fold": (_OPS.fold.default, (leaf(weight), leaf(bias), 3)),
+        "fold_no_bias": (_OPS.fold.default, (leaf(weight), None, 3)),
+        "fold_k1": (_OPS.fold.default, (leaf(weight), leaf(bias), 1)),
+        "fold_backward": (
+            _OPS.fold_backward.default,
+            (leaf(pooled_weight), leaf(pooled_bias), 10, 3),
+        ),
+        "fold_backward_tail": (
+            _OPS.fold_backward.default,
+            (leaf(pooled_weight), leaf(pooled_bias), 11, 3),
+        ),
+        "forward": (_OPS.forward.default, (leaf(x), leaf(pooled_weight), leaf(pooled_bias), 2.0)),
+        "forward_no_bias": (_OPS.forward.default, (leaf(x), leaf(pooled_weight), None, -1.0)),
+        "forward_with_argmax": (
+            _OPS.forward_with_argmax.default,
+            (leaf(x), leaf(pooled_weight), leaf(pooled_bias), 2.0),
+        ),
+        "forward_with_argmax_no_bias": (
+            _OPS.forward_with_argmax.default,
+            (leaf(x), leaf(pooled_weight), None, 0.5),
+        ),
+        "forward_with_argmax_empty_batch": (
+            _OPS.forward_with_argmax.default,
+            (leaf(x[:0]), leaf(pooled_weight), leaf(pooled_bias), 2.0),
+        ),
+    }, (x, pooled_weight, argmax, preactivation)
+
+
+OPCHECK_CASES = list(_opcheck_cases("cpu", False)[0])
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("case", OPCHECK_CASES)
+def test_opcheck(case, requires_grad, device):
+    op, args = _opcheck_cases(device, requires_grad)[0][case]
+    opcheck(op, args)
+
+
+@pytest.mark.parametrize("grads", ["out", "preactivation", "both"])
+def test_opcheck_forward_backward(grads, device):
+    # forward_backward's own autograd raises by design (no double backward): requires_grad off.
+    _, (x, pooled_weight, argmax, preactivation) = _opcheck_cases(device, False)
+    grad_out = torch.randn_like(preactivation) if grads != "preactivation" else None
+    grad_pre = torch.randn_like(preactivation) if grads != "out" else None
+    opcheck(
+        _OPS.forward_backward.default,
+        (grad_out, grad_pre, x, pooled_weight, argmax, preactivation, 2.0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs raise the documented errors (csrc/checks.h).
+
+
+def _bad_input_cases():
+    """name -> (call(device) raising, regex of a distinctive part of the message)."""
+    f32 = torch.float32
+
+    def t(*shape, dtype=f32, device="cpu"):
+        return torch.randn(*shape, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    def fwb(device, **over):
+        args = dict(
+            grad_out=t(4, device=device),
+            grad_pre=None,
+            x=t(4, 6, device=device),
+            weight=t(3, 6, device=device),
+            argmax=torch.tensor([0, 2, 1, 0], device=device),
+            pre=t(4, device=device),
+        )
+        args.update(over)
+        return lambda: _OPS.forward_backward(
+            args["grad_out"], args["grad_pre"], args["x"], args["weight"], args["argmax"],
+            args["pre"], 2.0,
+        )
+
+    return {
+        # fold
+        "fold_weight_rank": (
+            lambda d: ops.fold(t(2, 3, 4, device=d), None, 2),
+            r"fold: weight must be 2-D \[out_features, in_features\], got shape \[2, 3, 4\]",
+        ),
+        "fold_k_zero": (
+            lambda d: ops.fold(t(8, 4, device=d), None, 0),
+            r"fold: pool_kernel_size must be >= 1, got 0",
+        ),
+        "fold_k_negative": (
+            lambda d: ops.fold(t(8, 4, device=d), None, -3),
+            r"fold: pool_kernel_size must be >= 1, got -3",
+        ),
+        "fold_k_above_out_features": (
+            lambda d: ops.fold(t(8, 4, device=d), None, 9),
+            r"fold: pool_kernel_size must be <= out_features \(8\)",
+        ),
+        "fold_bias_shape": (
+            lambda d: ops.fold(t(8, 4, device=d), t(7, device=d), 2),
+            r"fold: bias must be 1-D \[out_features\] = \[8\], got shape \[7\]",
+        ),
+        "fold_bias_rank": (
+            lambda d: ops.fold(t(8, 4, device=d), t(8, 1, device=d), 2),
+            r"fold: bias must be 1-D \[out_features\] = \[8\]",
+        ),
+        "fold_bias_dtype": (
+            lambda d: ops.fold(t(8, 4, device=d), t(8, dtype=torch.float64, device=d), 2),
+            r"fold: bias must have the same dtype as weight \(Float\), got Double",
+        ),
+        "fold_int_weight": (
+            lambda d: ops.fold(torch.ones(8, 4, dtype=torch.int32, device=d), None, 2),
+            r"fold: weight must be float32.* on (cpu|cuda), got Int",
+        ),
+        # fold_backward
+        "fold_backward_rank": (
+            lambda d: _OPS.fold_backward(t(4, device=d), t(4, device=d), 8, 2),
+            r"fold_backward: grad_pooled_weight must be 2-D",
+        ),
+        "fold_backward_rows": (
+            lambda d: _OPS.fold_backward(t(3, 5, device=d), t(3, device=d), 8, 2),
+            r"fold_backward: grad_pooled_weight must have out_features // pool_kernel_size = 4 rows",
+        ),
+        "fold_backward_k_zero": (
+            lambda d: _OPS.fold_backward(t(3, 5, device=d), t(3, device=d), 8, 0),
+            r"fold_backward: pool_kernel_size must be >= 1, got 0",
+        ),
+        "fold_backward_bias_shape": (
+            lambda d: _OPS.fold_backward(t(4, 5, device=d), t(5, device=d), 8, 2),
+            r"fold_backward: grad_pooled_bias must be 1-D \[pooled_features\] = \[4\]",
+        ),
+        "fold_backward_dtype": (
+            lambda d: _OPS.fold_backward(
+                t(4, 5, device=d), t(4, dtype=torch.float64, device=d), 8, 2
+            ),
+            r"fold_backward: grad_pooled_bias must have the same dtype as grad_pooled_weight",
+        ),
+        "fold_backward_int_dtype": (
+            lambda d: _OPS.fold_backward(
+                torch.ones(4, 5, dtype=torch.int32, device=d),
+                torch.ones(4, dtype=torch.int32, device=d),
+                8,
+                2,
+            ),
+            r"fold_backward: grad_pooled_weight must be float32.* on (cpu|cuda), got Int",
+        ),
+        # forward
+        "forward_x_rank_3": (
+            lambda d: ops.forward(t(2, 4, 32, device=d), t(3, 32, device=d), None, 2.0),
+            r"forward: x must be 2-D \[batch, in_features\], got shape \[2, 4, 32\]",
+        ),
+        "forward_x_rank_1": (
+            lambda d: ops.forward(t(32, device=d), t(3, 32, device=d), None, 2.0),
+            r"forward: x must be 2-D \[batch, in_features\], got shape \[32\]",
+        ),
+        "forward_weight_rank": (
+            lambda d: ops.forward(t(4, 32, device=d), t(32, device=d), None, 2.0),
+            r"forward: weight must be 2-D \[pooled_features, in_features\]",
+        ),
+        "forward_mismatched_in_features": (
+            lambda d: ops.forward(t(4, 32, device=d), t(3, 31, device=d), None, 2.0),
+            r"forward: weight must be \[pooled_features, in_features\] with in_features = "
+            r"x.size\(1\) = 32, got shape \[3, 31\]",
+        ),
+        "forward_no_pooled_features": (
+            lambda d: ops.forward(t(4, 32, device=d), t(0, 32, device=d), None, 2.0),
+            r"forward: weight must have at least one row",
+        ),
+        "forward_bias_shape": (
+            lambda d: ops.forward(t(4, 32, device=d), t(3, 32, device=d), t(4, device=d), 2.0),
+            r"forward: bias must be 1-D \[pooled_features\] = \[3\], got shape \[4\]",
+        ),
+        "forward_weight_dtype": (
+            lambda d: ops.forward(
+                t(4, 32, device=d), t(3, 32, dtype=torch.float64, device=d), None, 2.0
+            ),
+            r"forward: weight must have the same dtype as x \(Float\), got Double",
+        ),
+        "forward_bias_dtype": (
+            lambda d: ops.forward(
+                t(4, 32, device=d), t(3, 32, device=d), t(3, dtype=torch.float64, device=d), 2.0
+            ),
+            r"forward: bias must have the same dtype as x \(Float\), got Double",
+        ),
+        "forward_int_dtype": (
+            lambda d: ops.forward(
+                torch.ones(4, 32, dtype=torch.int64, device=d),
+                torch.ones(3, 32, dtype=torch.int64, device=d),
+                None,
+                2.0,
+            ),
+            r"forward: x must be float32.* on (cpu|cuda), got Long",
+        ),
+        "forward_with_argmax_x_rank": (
+            lambda d: ops.forward_with_argmax(t(4, device=d), t(3, 4, device=d), None, 2.0),
+            r"forward: x must be 2-D \[batch, in_features\]",
+        ),
+        # forward_backward
+        "forward_backward_argmax_too_large": (
+            lambda d: fwb(d, argmax=torch.tensor([0, 3, 1, 0], device=d))(),
+            r"forward_backward: argmax must hold indices in \[0, 3\), got 3 at position 1",
+        ),
+        "forward_backward_argmax_negative": (
+            lambda d: fwb(d, argmax=torch.tensor([0, 1, 1, -1], device=d))(),
+            r"forward_backward: argmax must hold indices in \[0, 3\), got -1 at position 3",
+        ),
+        "forward_backward_argmax_dtype": (
+            lambda d: fwb(d, argmax=torch.tensor([0, 1, 1, 0], dtype=torch.int32, device=d))(),
+            r"forward_backward: argmax must be int64, got Int",
+        ),
+        "forward_backward_argmax_shape": (
+            lambda d: fwb(d, argmax=torch.tensor([0, 1, 1], device=d))(),
+            r"forward_backward: argmax must be 1-D \[batch\] = \[4\], got shape \[3\]",
+        ),
+        "forward_backward_preactivation_shape": (
+            lambda d: fwb(d, pre=t(5, device=d))(),
+            r"forward_backward: preactivation must be 1-D \[batch\] = \[4\]",
+        ),
+        "forward_backward_grad_out_shape": (
+            lambda d: fwb(d, grad_out=t(4, 1, device=d))(),
+            r"forward_backward: grad_out must be 1-D \[batch\] = \[4\]",
+        ),
+        "forward_backward_int_dtype": (
+            lambda d: fwb(
+                d,
+                grad_out=torch.ones(4, dtype=torch.int64, device=d),
+                x=torch.ones(4, 6, dtype=torch.int64, device=d),
+                weight=torch.ones(3, 6, dtype=torch.int64, device=d),
+                pre=torch.ones(4, dtype=torch.int64, device=d),
+            )(),
+            r"forward_backward: x must be float32.* on (cpu|cuda), got Long",
+        ),
+        "forward_backward_grad_preactivation_dtype": (
+            lambda d: fwb(d, grad_pre=t(4, dtype=torch.float64, device=d))(),
+            r"forward_backward: grad_preactivation must have the same dtype as x",
+        ),
+    }
+
+
+BAD_INPUT_CASES = _bad_input_cases()
+
+
+# A range check of argmax needs its values on the host: on the GPU that would be a sync (or a
+# device assert that poisons the CUDA context), so the range is checked on the CPU only.
+HOST_ONLY_CASES = {"forward_backward_argmax_too_large", "forward_backward_argmax_negative"}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT_CASES))
+def test_bad_input_raises_documented_error(case, device):
+    if device != "cpu" and case in HOST_ONLY_CASES:
+        pytest.skip("argmax values are range-checked on the CPU only (no host sync on the GPU)")
+    call, message = BAD_INPUT_CASES[case]
+    with pytest.raises(RuntimeError, match=message):
+        call(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_types_on_cpu_compute_in_float32_and_round_once(dtype, make_inputs):
+    x, weight, bias = (t.to(dtype) for t in make_inputs(6, 20, 12, torch.float32, "cpu"))
+    pooled = ops.fold(weight, bias, 3)
+    pooled_f32 = ops.fold(weight.float(), bias.float(), 3)
+    for half, single in zip(pooled, pooled_f32):
+        assert half.dtype == dtype and torch.equal(half, single.to(dtype))
+    pw, pb = pooled
+    out, argmax, pre = ops.forward_with_argmax(x, pw, pb, 2.0)
+    out32, argmax32, pre32 = ops.forward_with_argmax(x.float(), pw.float(), pb.float(), 2.0)
+    assert out.dtype == pre.dtype == dtype
+    assert torch.equal(out, out32.to(dtype)) and torch.equal(argmax, argmax32)
+    assert torch.equal(pre, pre32.to(dtype))
+    grad_out = torch.randn(6).to(dtype)
+    grads = _OPS.forward_backward(grad_out, None, x, pw, argmax, pre, 2.0)
+    grads32 = _OPS.forward_backward(
+        grad_out.float(), None, x.float(), pw.float(), argmax, pre.float(), 2.0
+    )
+    for half, single in zip(grads, grads32):
+        assert half.dtype == dtype and torch.equal(half, single.to(dtype))
+    back = _OPS.fold_backward(grads[1], grads[2], 12, 3)
+    back32 = _OPS.fold_backward(grads[1].float(), grads[2].float(), 12, 3)
+    for half, single in zip(back, back32):
+        assert half.dtype == dtype and torch.equal(half, single.to(dtype))
+
+
+def test_bad_input_errors_also_raise_while_tracing():
+    # The fake kernels mirror the shape checks, so torch.compile fails the way eager does.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 32)
+        weight = torch.empty(3, 31)
+        with pytest.raises(RuntimeError, match=r"in_features = x.size\(1\) = 32"):
+            ops.forward(x, weight, None, 2.0)
+        with pytest.raises(RuntimeError, match=r"pool_kernel_size must be <= out_features \(3\)"):
+            ops.fold(weight, None, 4)
