@@ -16,6 +16,7 @@ torch.cuda.is_available(): a build machine usually has no GPU.
 
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,6 +37,35 @@ def _find_cuda_home():
         return home if (Path(home) / "bin" / "nvcc").exists() else None
     default = Path("/usr/local/cuda")
     return str(default) if (default / "bin" / "nvcc").exists() else None
+
+
+def _libstdcxx_link_args():
+    """Make sure _C links the shared libstdc++ that torch itself uses.
+
+    Some toolchains ship a g++ whose own directory holds only libstdc++.a (seen on a GPU image
+    with CXX=/opt/gcc/bin/g++). Linking a Python extension against that static copy builds fine,
+    then crashes at run time the first time the extension formats an error message: two copies of
+    libstdc++'s locale state, one of them never initialised. When the compiler cannot find a
+    shared libstdc++, name the libstdc++.so.6 loaded in this (torch-importing) process instead.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    cxx = os.environ.get("CXX", "c++").split()
+    try:
+        found = subprocess.run(
+            cxx + ["-print-file-name=libstdc++.so"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    if os.path.isabs(found):
+        return []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libstdc++.so"):
+                print(f"fused_pool_gelu: {cxx[0]} has no shared libstdc++; linking {path}")
+                return [path]
+    return []
 
 
 def _want_cuda(torch_cuda, cuda_home) -> bool:
@@ -82,6 +112,7 @@ def _extension():
     ]
     host_flags = ["-O0", "-g"] if debug else ["-O3"]
     host_flags += ["-fdiagnostics-color=always"]
+    link_args = _libstdcxx_link_args()
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))]
     if not with_cuda:
@@ -91,6 +122,7 @@ def _extension():
             include_dirs=[str(ROOT / "csrc")],
             define_macros=macros,
             extra_compile_args={"cxx": host_flags},
+            extra_link_args=link_args,
             py_limited_api=True,
         )
 
@@ -112,6 +144,7 @@ def _extension():
         include_dirs=[str(ROOT / "csrc")],
         define_macros=macros,
         extra_compile_args={"cxx": host_flags, "nvcc": nvcc_flags},
+        extra_link_args=link_args,
         py_limited_api=True,
     )
 
