@@ -9,22 +9,42 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <tuple>
 
 namespace fused_pool_gelu {
 
-// forward is forward_with_argmax without the saved-for-backward outputs. Being
-// CompositeImplicitAutograd, it is differentiable (and traceable) through forward_with_argmax.
-static at::Tensor forward_composite(const at::Tensor& x, const at::Tensor& weight,
-                                    const c10::optional<at::Tensor>& bias, double scale) {
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward_with_argmax(
+    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    double scale) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fused_pool_gelu::forward_with_argmax", "")
                        .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                            double)>();
-  return std::get<0>(op.call(x, weight, bias, scale));
+  return op.call(x, weight, bias, scale);
+}
+
+// forward on a device: forward_with_argmax without the outputs kept for backward.
+static at::Tensor forward_kernel(const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias, double scale) {
+  return std::get<0>(call_forward_with_argmax(x, weight, bias, scale));
+}
+
+// forward's autograd kernel. When a gradient is needed it goes through forward_with_argmax, whose
+// derivative is registered in Python (ops.py); otherwise it dispatches straight to the device
+// kernel, skipping the Python autograd layer: microseconds that matter at small batch.
+static at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                   const c10::optional<at::Tensor>& bias, double scale) {
+  const bool needs_grad =
+      at::GradMode::is_enabled() &&
+      (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
+  if (needs_grad) return forward_kernel(x, weight, bias, scale);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return forward_kernel(x, weight, bias, scale);
 }
 
 TORCH_LIBRARY(fused_pool_gelu, m) {
@@ -41,7 +61,7 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
   m.def(
       "forward_with_argmax(Tensor x, Tensor weight, Tensor? bias, float scale) -> "
       "(Tensor out, Tensor argmax, Tensor preactivation)");
-  // The public forward: out [B] of forward_with_argmax.
+  // The public forward: out [B] of forward_with_argmax (differentiable through it).
   m.def("forward(Tensor x, Tensor weight, Tensor? bias, float scale) -> Tensor");
   // Arg-max backward of forward_with_argmax (no dense GEMM): a gather for grad_x, a deterministic
   // segment reduction over rows sharing an arg-max for grad_weight and grad_bias [N].
@@ -51,8 +71,12 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
       "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
 }
 
-TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeImplicitAutograd, m) {
-  m.impl("forward", &forward_composite);
+TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
+  m.impl("forward", &forward_kernel);
+}
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
+  m.impl("forward", &forward_autograd);
 }
 
 }  // namespace fused_pool_gelu

@@ -105,6 +105,12 @@ def _forward_with_argmax_fake(x, weight, bias, scale):
     return x.new_empty((batch,)), x.new_empty((batch,), dtype=torch.long), x.new_empty((batch,))
 
 
+@torch.library.register_fake("fused_pool_gelu::forward")
+def _forward_fake(x, weight, bias, scale):
+    _check_forward_shapes(x, weight, bias)
+    return x.new_empty((x.shape[0],))
+
+
 @torch.library.register_fake("fused_pool_gelu::forward_backward")
 def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale):
     _check_forward_shapes(x, weight, None)
@@ -118,7 +124,8 @@ def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, prea
 # ----------------------------------------------------------------------------------------------
 # Autograd. fold and fold_backward are adjoint linear maps, so each is the other's derivative
 # (double backward of the fold comes for free). forward_with_argmax's derivative is the arg-max
-# backward; `forward` is CompositeImplicitAutograd over forward_with_argmax and needs nothing.
+# backward; `forward`'s autograd kernel (csrc/registration.cpp) goes through forward_with_argmax
+# when a gradient is needed and straight to the device kernel otherwise.
 
 
 def _fold_setup_context(ctx, inputs, output):

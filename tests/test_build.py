@@ -81,10 +81,16 @@ def test_every_op_has_a_cuda_kernel_when_cuda_kernels_are_built(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_pool_gelu::{op}", "CUDA")
 
 
-def test_forward_is_composite_over_forward_with_argmax():
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(
-        "fused_pool_gelu::forward", "CompositeImplicitAutograd"
-    )
+def test_forward_has_its_own_autograd_kernel_over_forward_with_argmax():
+    # The C++ autograd kernel skips the Python autograd layer when no gradient is needed and
+    # goes through forward_with_argmax (whose derivative is registered) when one is.
+    for key in ("Autograd", "CompositeExplicitAutograd"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_pool_gelu::forward", key)
+    x = torch.rand(3, 5, requires_grad=True)
+    weight = torch.rand(2, 5)
+    assert torch.ops.fused_pool_gelu.forward(x, weight, None, 1.0).grad_fn is not None
+    with torch.no_grad():
+        assert torch.ops.fused_pool_gelu.forward(x, weight, None, 1.0).grad_fn is None
 
 
 def test_public_api_is_exported():
