@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build from source there, then the requested stages.
-#   scripts/device_run.sh build test sanitize bench-ours bench-forward bench-train
+#   scripts/device_run.sh build test test-slow test-all sanitize bench-ours bench-forward bench-train
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -9,6 +9,8 @@ mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 summary=()
+# Benchmarks merge their rows into the committed results file; a copy comes back in $OUT.
+RESULTS="$ROOT/benchmarks/results/nvidia-h200.json"
 note() { summary+=("$1"); echo "== $1"; }
 
 # run_stage NAME DIR CMD...: run CMD in DIR (tests and benchmarks run outside the source tree, so
@@ -34,6 +36,10 @@ for stage in "$@"; do
       run_stage test "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -m "cuda and not slow" --timeout=180 \
         --durations=10 .
       ;;
+    test-slow)
+      run_stage test-slow "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -m "cuda and slow" \
+        --timeout=300 --durations=5 .
+      ;;
     test-all)
       run_stage test-all "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q --timeout=300 --durations=10 .
       ;;
@@ -45,10 +51,12 @@ for stage in "$@"; do
         --impls fold_eager ours_op ours_model --out "$OUT/bench-ours.json"
       ;;
     bench-forward)
-      run_stage bench-forward /tmp python3 "$ROOT/benchmarks/bench_forward.py" --out "$OUT/results.json"
+      run_stage bench-forward /tmp python3 "$ROOT/benchmarks/bench_forward.py" --out "$RESULTS"
+      cp "$RESULTS" "$OUT/"
       ;;
     bench-train)
-      run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" --out "$OUT/results.json"
+      run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" --out "$RESULTS"
+      cp "$RESULTS" "$OUT/"
       ;;
     *) note "unknown stage $stage" ;;
   esac
