@@ -28,7 +28,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -325,68 +324,6 @@ def git_revision() -> Optional[str]:
         return None
 
 
-def make_timer(device, warmup_ms: float, rep_ms: float):
-    """Returns (time_us(fn) -> median microseconds, description)."""
-    if device.type == "cuda":
-        try:
-            import triton
-            from triton.testing import do_bench
-        except ImportError:
-            return (
-                lambda fn: _cuda_event_bench(fn, warmup_ms, rep_ms) * 1e3,
-                "CUDA events (triton missing; do_bench's rule: 256 MB L2 flush per run), median",
-            )
-        return (
-            lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3,
-            f"triton.testing.do_bench (triton {triton.__version__}, L2 flushed), median",
-        )
-    return (lambda fn: _cpu_bench(fn, warmup_ms, rep_ms) * 1e3, "time.perf_counter, median")
-
-
-def _cuda_event_bench(fn, warmup_ms: float, rep_ms: float) -> float:
-    """triton.testing.do_bench's procedure with torch only; returns the median in ms."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        cache.zero_()
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end) / 5, 1e-3)
-    n_warmup, n_repeat = max(1, int(warmup_ms / estimate)), max(1, int(rep_ms / estimate))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    for _ in range(n_warmup):
-        fn()
-    for i in range(n_repeat):
-        cache.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
-def _cpu_bench(fn, warmup_ms: float, rep_ms: float, max_runs: int = 1000) -> float:
-    """Median wall time in ms: warm up for warmup_ms (>= 1 run), then time >= 3 runs for rep_ms."""
-    t_end = time.perf_counter() + warmup_ms / 1e3
-    fn()
-    while time.perf_counter() < t_end:
-        fn()
-    times = []
-    t_end = time.perf_counter() + rep_ms / 1e3
-    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def synchronize(device) -> None:
     import torch
 
@@ -579,6 +516,8 @@ def run_benchmark(
     if device.type == "cuda":
         log(f"float32 matmul precision: {torch.get_float32_matmul_precision()} "
             "(\"highest\": no TF32 in the peers' cuBLAS calls)", start)
+    from fused_pool_gelu.timing import make_timer
+
     time_us, timer_desc = make_timer(device, args.warmup, args.rep)
     log(f"timer: {timer_desc}; warmup {args.warmup:g} ms, rep {args.rep:g} ms", start)
     configure_compile()

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 
 import torch
+
+from fused_pool_gelu.timing import make_timer
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 TOLERANCE = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
@@ -60,61 +60,6 @@ def _parse(argv):
 
 # ----------------------------------------------------------------------------------------------
 # Timers
-
-
-def _make_timer(device, rep_ms):
-    """(time_us(fn) -> median microseconds, description)."""
-    if device.type == "cuda":
-        warmup_ms = 50.0
-        try:
-            import triton
-            from triton.testing import do_bench
-        except ImportError:
-            return (lambda fn: _cuda_event_bench(fn, warmup_ms, rep_ms) * 1e3,
-                    "CUDA events with L2 flush (triton not installed), median")
-        return (lambda fn: do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3,
-                f"triton.testing.do_bench (triton {triton.__version__}), L2 flushed, median")
-    return (lambda fn: _cpu_bench(fn, rep_ms) * 1e3, "time.perf_counter, median")
-
-
-def _cuda_event_bench(fn, warmup_ms, rep_ms):
-    """triton.testing.do_bench's procedure with torch only (ms)."""
-    fn()
-    torch.cuda.synchronize()
-    cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        cache.zero_()
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end) / 5, 1e-3)
-    n_warmup, n_repeat = max(1, int(warmup_ms / estimate)), max(1, int(rep_ms / estimate))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    for _ in range(n_warmup):
-        fn()
-    for i in range(n_repeat):
-        cache.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
-def _cpu_bench(fn, rep_ms, max_runs=200):
-    """Two warm-up runs, then at least 3 timed runs and as many as fit in rep_ms (ms)."""
-    fn()
-    fn()
-    times = []
-    t_end = time.perf_counter() + rep_ms / 1e3
-    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < max_runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +158,8 @@ def _check_train(model, new, x, tol, strict):
 
 
 def _timings(model, new, x, device, rep_ms, train):
-    time_us, timer = _make_timer(device, rep_ms)
+    # A short warm-up: the main job times a few shapes once, not a sweep.
+    time_us, timer = make_timer(device, warmup_ms=50.0, rep_ms=rep_ms)
     print()
     print(f"Timing ({timer}):")
     results = []
