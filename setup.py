@@ -8,7 +8,7 @@ Knobs (environment variables):
                          kernels run on Ampere, Ada and Hopper; 9.0a adds the Hopper build).
   MAX_JOBS               parallel compile jobs (ninja).
   NVCC_THREADS           nvcc --threads per job (default 2).
-  DEBUG=1                -O0 -g host code, -lineinfo device code, device asserts on.
+  DEBUG=1                -O0 -g host code, -g -G device code (unoptimised, for debuggers).
 
 The decision is made from torch.version.cuda and the toolkit on disk, never from
 torch.cuda.is_available(): a build machine usually has no GPU.
@@ -136,7 +136,8 @@ def _extension():
         f"--threads={os.environ.get('NVCC_THREADS', '2')}",
         "-Xptxas=-warn-spills",
     ]
-    nvcc_flags += ["-lineinfo"] + (["-DFPG_DEVICE_ASSERTS=1"] if debug else [])
+    # DEBUG: device debug info without device optimisation (cuda-gdb, compute-sanitizer line numbers).
+    nvcc_flags += ["-g", "-G"] if debug else ["-lineinfo"]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cuda").glob("*.cu"))]
     return CUDAExtension(
         "fused_pool_gelu._C",
