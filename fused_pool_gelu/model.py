@@ -109,6 +109,10 @@ class ModelNew(nn.Module):
         if torch.compiler.is_compiling():
             # Traced graphs cannot read version counters; the fold becomes part of the graph.
             return True
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            # A captured fold runs at each replay, so the graph follows parameter updates; a cache
+            # filled during capture would hold values that exist only after the first replay.
+            return True
         params = [p for p in (self.matmul.weight, self.matmul.bias) if p is not None]
         return torch.is_grad_enabled() and any(p.requires_grad for p in params)
 

@@ -212,7 +212,10 @@ def _make_autocast_kernel(device_type):
         dtype = torch.get_autocast_dtype(device_type)
 
         def cast(t):
-            return t.to(dtype) if t is not None and t.is_floating_point() else t
+            # Autocast's rule: floating tensors other than float64 take the autocast dtype.
+            if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+                return t
+            return t.to(dtype)
 
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
             return _ops.forward_with_argmax(cast(x), cast(weight), cast(bias), scale)
