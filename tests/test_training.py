@@ -88,7 +88,7 @@ def test_autocast_output_dtype_and_values_match_model(device, dtype):
 @pytest.mark.parametrize("device,dtype", AUTOCAST_CASES)
 def test_autocast_gradients_are_float32_and_match_model(device, dtype):
     model, new = _pair(device)
-    x = _clear_maximum_rows(model, torch.rand(96, ARGS[0])).to(device)
+    x = _clear_maximum_rows(model, torch.rand(96, ARGS[0], device=device))
     assert x.shape[0] >= 8, "the data must give enough rows with a clear arg-max"
     # Positive upstream gradients: no cancellation in the per-group sums of the weight gradient.
     grad_out = (torch.rand(x.shape[0]) + 0.5).to(device)
