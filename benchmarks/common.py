@@ -185,6 +185,20 @@ def _index(rows: List[dict]) -> Dict[tuple, dict]:
     return {(r["impl"], r["B"]): r for r in rows}
 
 
+def _metric_table(impls, batches, index, key, fmt):
+    """Markdown rows of one metric: a line per B, a column per impl, '-' where missing."""
+    lines = ["| B | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 1)]
+    for b in batches:
+        cells = [str(b)]
+        for impl in impls:
+            row = index.get((impl, b))
+            value = None if row is None else row.get(key)
+            cells.append("-" if value is None else fmt.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+
 def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL_ERR) -> str:
     """Time table (+ speedup of ours over the best float32-accurate peer), accuracy table and,
     for training, peak memory. ``rows``: one mode, one shape (K, O, k, scale, dtype)."""
@@ -245,30 +259,14 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
         + ":"
     )
     out.append("")
-    out.append("| B | " + " | ".join(impls) + " |")
-    out.append("|" + "---|" * (len(impls) + 1))
-    for b in batches:
-        cells = [str(b)]
-        for impl in impls:
-            r = index.get((impl, b))
-            err = None if r is None else r.get("rel_err_fp64")
-            cells.append("-" if err is None else f"{err:.1e}")
-        out.append("| " + " | ".join(cells) + " |")
+    out.extend(_metric_table(impls, batches, index, "rel_err_fp64", "{:.1e}"))
 
     # --- peak memory (train)
     if mode == "train" and any(r.get("peak_mem_mb") is not None for r in rows):
         out.append("")
         out.append("Peak memory of one step (MB: parameters + input + all the step allocates):")
         out.append("")
-        out.append("| B | " + " | ".join(impls) + " |")
-        out.append("|" + "---|" * (len(impls) + 1))
-        for b in batches:
-            cells = [str(b)]
-            for impl in impls:
-                r = index.get((impl, b))
-                mem = None if r is None else r.get("peak_mem_mb")
-                cells.append("-" if mem is None else f"{mem:.0f}")
-            out.append("| " + " | ".join(cells) + " |")
+        out.extend(_metric_table(impls, batches, index, "peak_mem_mb", "{:.0f}"))
 
     errors = [r for r in rows if r.get("error")]
     if errors:
