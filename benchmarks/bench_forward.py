@@ -12,7 +12,8 @@ Impls (weights from torch.manual_seed(seed); Model(K, O, k, s), the same for all
   ours_op       torch.ops.fused_pool_gelu.forward on pre-folded weights (fused_pool_gelu.fold)
   ours_model    fused_pool_gelu.ModelNew (eager; the fold is cached under no_grad)
 Each row: median time (us), rel err and max abs err vs a float64 Model run of the same weights,
-allclose (atol = rtol = 1e-4 in float32) vs the float32 Model.
+allclose (atol = rtol = 1e-4 in float32) vs the float32 Model, and on CUDA call_mem_mb: the memory
+one call allocates beyond what is resident.
 """
 
 from __future__ import annotations
@@ -97,6 +98,14 @@ def measure(ctx, fn, x, ref, time_us):
     tol = common.ALLCLOSE_TOL[ctx.args.dtype]
     row["allclose_ref"] = bool(torch.allclose(out.to(ref["out_ref"].dtype), ref["out_ref"], atol=tol, rtol=tol))
     del out
+    if ctx.device.type == "cuda":
+        # What one call allocates on top of what is resident (inputs, weights, caches): the
+        # [B, O] product of the unfused peers, our split-K workspace and outputs.
+        before = torch.cuda.memory_allocated(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        fn(x)
+        torch.cuda.synchronize(ctx.device)
+        row["call_mem_mb"] = round((torch.cuda.max_memory_allocated(ctx.device) - before) / 2**20, 1)
     row["median_us"] = time_us(lambda: fn(x))
     row["first_call_s"] = round(first_call_s, 3)
     return row

@@ -261,6 +261,13 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
     out.append("")
     out.extend(_metric_table(impls, batches, index, "rel_err_fp64", "{:.1e}"))
 
+    # --- memory a forward call allocates beyond what is resident
+    if mode == "forward" and any(r.get("call_mem_mb") is not None for r in rows):
+        out.append("")
+        out.append("Memory one call allocates beyond inputs, weights and caches (MB):")
+        out.append("")
+        out.extend(_metric_table(impls, batches, index, "call_mem_mb", "{:.1f}"))
+
     # --- peak memory (train)
     if mode == "train" and any(r.get("peak_mem_mb") is not None for r in rows):
         out.append("")
