@@ -68,6 +68,12 @@ def _libstdcxx_link_args():
     return []
 
 
+def _has_sm90a(arch_list: str) -> bool:
+    """Whether TORCH_CUDA_ARCH_LIST ("8.0;9.0a", "8.0 9.0a+PTX", ...) builds sm_90a code: the
+    wgmma kernel exists only there."""
+    return any(a.split("+")[0] == "9.0a" for a in re.split(r"[;\s]+", arch_list.strip()) if a)
+
+
 def _want_cuda(torch_cuda, cuda_home) -> bool:
     mode = os.environ.get("FUSED_POOL_GELU_CUDA", "auto").lower()
     if mode in ("0", "false", "no", "off"):
@@ -107,6 +113,7 @@ def _extension():
         ("FPG_TORCH_VERSION", f'"{torch.__version__}"'),
         ("FPG_CUDA_VERSION", f'"{torch.version.cuda if with_cuda else ""}"'),
         ("FPG_CUDA_ARCHS", f'"{archs}"'),
+        ("FPG_WITH_SM90A", "1" if _has_sm90a(archs) else "0"),
         ("FPG_WITH_CUDA", "1" if with_cuda else "0"),
         ("FPG_DEBUG", "1" if debug else "0"),
     ]

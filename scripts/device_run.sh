@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build from source there, then the requested stages.
-#   scripts/device_run.sh build test test-slow test-all sanitize bench-ours bench-forward bench-train
+#   scripts/device_run.sh build test test-cuda test-slow test-all sanitize profile bench-ours
+#                         bench-forward bench-train
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -36,6 +37,10 @@ for stage in "$@"; do
       run_stage test "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -m "cuda and not slow" --timeout=180 \
         --durations=10 .
       ;;
+    test-cuda)
+      run_stage test-cuda "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -x --timeout=180 \
+        --durations=5 test_cuda.py
+      ;;
     test-slow)
       run_stage test-slow "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -m "cuda and slow" \
         --timeout=300 --durations=5 .
@@ -45,6 +50,9 @@ for stage in "$@"; do
       ;;
     sanitize)
       run_stage sanitize "$ROOT/tests" bash "$ROOT/scripts/sanitize.sh"
+      ;;
+    profile)
+      run_stage profile /tmp python3 "$ROOT/benchmarks/profile_forward.py" --out "$OUT/profile.json"
       ;;
     bench-ours)
       run_stage bench-ours /tmp python3 "$ROOT/benchmarks/bench_forward.py" --skip-compile \

@@ -195,6 +195,71 @@ def test_misaligned_pointers_give_correct_results(layout, make_inputs, check_for
         torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
 
 
+# ----------------------------------------------------------------------------------------------
+# The two tensor-core GEMMs: wgmma on sm_90a builds running on compute capability 9.0, the
+# portable mma.sync kernel elsewhere (and on Hopper under FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
+
+
+def _gemm_kernels_run(fn):
+    """Names of the CUDA kernels fn launches whose name says they are a forward GEMM."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "splitk_kernel" in e.name}
+
+
+def _has_wgmma_gemm():
+    archs = fused_pool_gelu.build_info().get("cuda_archs", "")
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and "9.0a" in archs
+    )
+
+
+@pytest.mark.skipif(not _has_wgmma_gemm(), reason="needs an sm_90a build on a compute capability 9.0 GPU")
+def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, make_inputs):
+    x, weight, bias = make_inputs(256, 1024, 256, torch.float32, DEVICE)
+    run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
+    names = _gemm_kernels_run(run)
+    assert any("wgmma" in n for n in names), names
+    monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
+    names = _gemm_kernels_run(run)
+    assert names and not any("wgmma" in n for n in names), names
+
+
+# Shapes that reach the tensor-core kernels (B > 32): tails in every dimension, K % 4 != 0, one
+# K tile, several splits, and the default shape.
+TC_SHAPES = [(33, 5, 7), (100, 257, 130), (1000, 4099, 513), (129, 32, 129), (1024, 8192, 512)]
+
+
+@pytest.mark.parametrize("force_mma_sync", [False, True], ids=["default", "mma_sync"])
+@pytest.mark.parametrize(
+    "batch,in_features,pooled", TC_SHAPES, ids=[f"B{b}-K{k}-N{n}" for b, k, n in TC_SHAPES]
+)
+def test_tensor_core_gemms_match_float64(
+    batch, in_features, pooled, force_mma_sync, monkeypatch, make_inputs, check_forward
+):
+    if force_mma_sync:
+        monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
+    x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    _, v64 = _pooled64_values(x, weight, bias, 2.0)
+    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+
+
+def test_both_tensor_core_gemms_agree_to_float32_accuracy(monkeypatch):
+    model, new = _models(8192, 8192, 16, 2.0, seed=11)
+    x = torch.rand(512, 8192, device=DEVICE)
+    pooled_weight, pooled_bias = new.folded_parameters()
+    out = ops.forward(x, pooled_weight, pooled_bias, 2.0)
+    monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
+    out_mma = ops.forward(x, pooled_weight, pooled_bias, 2.0)
+    torch.testing.assert_close(out, out_mma, atol=2e-6, rtol=2e-6)
+    _assert_contract(out, model, x)
+
+
 @pytest.mark.slow
 def test_more_than_2_to_the_31_elements_in_x():
     in_features, pooled, scale = 4096, 32, 2.0

@@ -2,8 +2,9 @@
 // arg-max n and the pre-activation there (torch.max semantics: first index on ties, NaN wins).
 //
 // Two launches:
-//   1. a split-K GEMM writing fp32 partial sums to a workspace [splits, B, N]
-//      (forward_gemm.cuh: a SIMT GEMV for small B, a 3xTF32 tensor-core GEMM for larger B);
+//   1. a split-K GEMM writing fp32 partial sums to a workspace [splits, B, N]: a SIMT GEMV for
+//      small B (forward_gemm.cuh), a 3xTF32 tensor-core GEMM for larger B: wgmma on sm_90a
+//      (forward_gemm_sm90.cuh), mma.sync elsewhere (forward_gemm.cuh);
 //   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum.
@@ -23,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -33,6 +36,7 @@
 #include "checks.h"
 #include "common.cuh"
 #include "forward_gemm.cuh"
+#include "forward_gemm_sm90.cuh"
 
 namespace fused_pool_gelu {
 namespace cuda {
@@ -237,7 +241,21 @@ struct DeviceInfo {
   // 0 when the 3xTF32 kernel does not fit (e.g. sm_86 / sm_89 give 99 KB of shared memory per
   // block): every batch size then takes the SIMT kernel.
   int tc_ctas_per_sm = 0;
+  // 0 unless the wgmma kernel can run here: a compute capability 9.0 device, a build holding
+  // sm_90a code (FPG_WITH_SM90A) and that code being what the driver picked for this device.
+  int wgmma_ctas_per_sm = 0;
 };
+
+#ifndef FPG_WITH_SM90A
+#define FPG_WITH_SM90A 0
+#endif
+
+// FUSED_POOL_GELU_FORCE_MMA_SYNC=1 runs the portable mma.sync GEMM on Hopper too (tests of that
+// path on an H200, debugging). Read at each call, so a test can flip it in-process.
+bool force_mma_sync() {
+  const char* value = std::getenv("FUSED_POOL_GELU_FORCE_MMA_SYNC");
+  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+}
 
 const DeviceInfo& device_info(int device) {
   static std::mutex mutex;
@@ -268,6 +286,18 @@ const DeviceInfo& device_info(int device) {
       set_max_dynamic_smem(fg::tf32x3_splitk_kernel, fg::kTcSmemBytes);
       info->tc_ctas_per_sm =
           resident_ctas_per_sm(fg::tf32x3_splitk_kernel, fg::kTcThreads, fg::kTcSmemBytes);
+    }
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    if (FPG_WITH_SM90A && major == 9 && minor == 0 && fg::kWgSmemBytes <= max_smem_optin) {
+      cudaFuncAttributes attributes{};
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
+      if (attributes.binaryVersion == 90) {
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
+        info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
+                                                       fg::kWgThreads, fg::kWgSmemBytes);
+      }
     }
     cache[device] = std::move(info);
   }
@@ -336,17 +366,23 @@ SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_p
   return plan;
 }
 
-// Split-K plan of the 3xTF32 GEMM.
+// Split-K plan of the 3xTF32 GEMM (both kernels use the same 128 x 128 x 32 tiles).
 struct TcPlan {
+  bool wgmma;
   int64_t splits;
   int64_t k_per_split;
 };
 
 TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded) {
+  static_assert(fg::kWgBlockM == fg::kTcBlockM && fg::kWgBlockN == fg::kTcBlockN &&
+                    fg::kWgBlockK == fg::kTcBlockK,
+                "one split-K plan for both tensor-core kernels");
+  const bool wgmma = info.wgmma_ctas_per_sm > 0 && !force_mma_sync();
   const int64_t tiles =
       ceil_div(batch, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
   const int64_t k_tiles = ceil_div(k_padded, int64_t{fg::kTcBlockK});
-  const int64_t slots = static_cast<int64_t>(info.sms) * info.tc_ctas_per_sm;
+  const int64_t slots = static_cast<int64_t>(info.sms) *
+                        (wgmma ? info.wgmma_ctas_per_sm : info.tc_ctas_per_sm);
   const int64_t max_splits =
       std::max<int64_t>(1, std::min(kTcMaxSplits, k_tiles / kTcMinKTilesPerSplit));
   int64_t best_cost = std::numeric_limits<int64_t>::max();
@@ -362,6 +398,7 @@ TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padde
     }
   }
   TcPlan plan{};
+  plan.wgmma = wgmma;
   plan.k_per_split = best_k_tiles_per_split * fg::kTcBlockK;
   plan.splits = ceil_div(k_padded, plan.k_per_split);
   return plan;
@@ -422,7 +459,11 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
     const dim3 grid(static_cast<unsigned>(n_tiles),
                     static_cast<unsigned>(ceil_div(p.m, int64_t{fg::kTcBlockM})),
                     static_cast<unsigned>(plan.splits));
-    fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
+    if (plan.wgmma) {
+      fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
+    } else {
+      fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -1,0 +1,84 @@
+"""Where the forward's time goes: device time per kernel (torch.profiler), L2 flushed before each call.
+
+    python benchmarks/profile_forward.py                       # B in {1, 16, 32, 64, 128, 1024, 4096}
+    python benchmarks/profile_forward.py --batches 1024 --out /tmp/profile.json
+
+For each batch size and each tensor-core GEMM path ("default": what the op picks on this GPU, wgmma
+on an sm_90a build on Hopper; "mma_sync": the portable kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1),
+prints the mean device time of every kernel the op launches and their sum. The difference between
+that sum and bench_forward.py's median is launch gaps and timer overhead. Shape: K = 8192, N = 512
+(the pooled default shape), weights ~ N(0, 0.01^2), x ~ U(0, 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+import fused_pool_gelu
+
+FLUSH_BYTES = 256 * 1024 * 1024  # as triton.testing.do_bench: larger than the H200's 50 MB L2
+
+
+def profile(batch, in_features, pooled, calls):
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    weight = torch.randn(pooled, in_features, device="cuda", generator=gen) * 0.01
+    bias = torch.randn(pooled, device="cuda", generator=gen)
+    x = torch.rand(batch, in_features, device="cuda", generator=gen)
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        for _ in range(5):
+            fused_pool_gelu.forward(x, weight, bias, 2.0)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                flush.zero_()
+                fused_pool_gelu.forward(x, weight, bias, 2.0)
+            torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.key_averages():
+        if event.count == 0 or "fill" in event.key.lower() or "zero" in event.key.lower():
+            continue
+        kernels[event.key] = event.device_time_total / calls
+    return kernels
+
+
+def short_name(name):
+    for known in ("wgmma_splitk", "tf32x3_splitk", "simt_splitk", "argmax_epilogue"):
+        if known in name:
+            return known
+    return name[:40]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128, 1024, 4096])
+    parser.add_argument("-K", type=int, default=8192)
+    parser.add_argument("-N", type=int, default=512)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+
+    rows = []
+    for path in ("default", "mma_sync"):
+        if path == "mma_sync":
+            os.environ["FUSED_POOL_GELU_FORCE_MMA_SYNC"] = "1"
+        for batch in args.batches:
+            kernels = profile(batch, args.K, args.N, args.calls)
+            total = sum(kernels.values())
+            rows.append({"path": path, "B": batch, "K": args.K, "N": args.N,
+                         "kernels_us": kernels, "sum_us": total})
+            parts = ", ".join(f"{short_name(k)} {v:.1f}" for k, v in kernels.items())
+            print(f"{path:8s} B={batch:5d}: sum {total:7.1f} us  ({parts})", flush=True)
+        os.environ.pop("FUSED_POOL_GELU_FORCE_MMA_SYNC", None)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
