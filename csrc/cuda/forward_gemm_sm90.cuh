@@ -7,35 +7,44 @@
 // and the host (forward.cu) launches it only on compute capability 9.0 devices of a build whose
 // arch list holds 9.0a (FPG_WITH_SM90A, set by setup.py).
 //
-// CTA tile 128 (x rows) x 128 (weight rows) x 32 (K), 256 threads = 2 warpgroups, warpgroup g
-// owning x rows [64 g, 64 g + 64) and all 128 weight rows: one m64n128k8 wgmma per K step of 8.
-//   x (A operand, registers): staged in shared memory like the mma.sync kernel (rows padded to 36
-//     floats: conflict-free ldmatrix), then each warp loads its 16 x 8 fragments with ldmatrix and
-//     splits them into TF32 big + small halves in registers. The wgmma register layout of A for
-//     32-bit types is exactly the mma.m16n8k8 A fragment of forward_gemm.cuh, warp w of the
-//     warpgroup holding rows [16 w, 16 w + 16) (CUTLASS cute::GMMA::ALayout_64x8).
-//   weight (B operand, shared memory): wgmma reads B only through a shared-memory descriptor, so the
-//     split happens in shared memory: after a stage lands, every thread rewrites its part of the
-//     tile as the big half in place and writes the small half into a second buffer of the same
-//     layout. Both use the 128-byte swizzle wgmma expects for K-major operands: row r (128 bytes =
-//     32 floats, one K tile) at r * 128, its 16-byte chunk c at chunk position c ^ (r % 8); 8-row
-//     groups 1024 bytes apart (the descriptor's stride byte offset); tiles 1024-byte aligned. The
-//     K step kk of 8 floats starts 32 kk bytes into each row: the descriptor start address moves by
-//     that much and the hardware applies the swizzle to the full address.
+// CTA tile 128 (x rows) x 128 (weight rows) x 32 (K). 384 threads = 3 warpgroups, specialized:
+//   warpgroup 0, the producer: cp.async loads of the x and weight tiles into a kWgStages ring,
+//     the 3xTF32 split of each landed weight tile (below), then the stage's release;
+//   warpgroups 1 and 2, the consumers: consumer c owns x rows [64 c, 64 c + 64) and all 128 weight
+//     rows, one m64n128k8 wgmma per K step of 8.
+// Stages are handed over with mbarriers (full: the 128 producer threads arrive; empty: the 8
+// consumer warps arrive), so the two consumer warpgroups never wait for each other and the
+// producer's loads and splits overlap their tensor-core work. The consumers need ~200 registers
+// (two 64-float accumulators, two sets of A fragments): setmaxnreg moves registers from the
+// producer (kWgProducerRegisters) to the consumers (kWgConsumerRegisters).
+//
+//   x (A operand, registers): the stage holds x rows padded to 36 floats (conflict-free ldmatrix);
+//     each warp loads its 16 x 8 fragments with ldmatrix and splits them into TF32 big + small
+//     halves in registers. The wgmma register layout of A for 32-bit types is exactly the
+//     mma.m16n8k8 A fragment of forward_gemm.cuh, warp w of the warpgroup holding rows
+//     [16 w, 16 w + 16) (CUTLASS cute::GMMA::ALayout_64x8).
+//   weight (B operand, shared memory): wgmma reads B only through a shared-memory descriptor, so
+//     the split happens in shared memory: the producer rewrites each landed weight tile as its big
+//     half in place and writes the small half into the stage's second weight buffer. Both use the
+//     128-byte swizzle wgmma expects for K-major operands: row r (128 bytes = 32 floats, one K
+//     tile) at r * 128, its 16-byte chunk c at chunk position c ^ (r % 8); 8-row groups 1024 bytes
+//     apart (the descriptor's stride byte offset); tiles 1024-byte aligned. K step kk (8 floats)
+//     starts 32 kk bytes into each row: the descriptor's start address moves by that much and the
+//     hardware applies the swizzle to the full address.
 //   accumulator: per thread 64 floats, value 4 j + e at row g (+8 for e >= 2) and column
 //     8 j + 2 t + (e % 2) of its warp's 16 rows (g = lane / 4, t = lane % 4), as mma.m16n8k8's C.
 //
 // Per K tile the 12 wgmmas (4 K steps x {small x big, big x small, big x big}, small terms first)
 // write a fresh accumulator, which is then added into `total` with plain fp32 adds: tensor cores
 // accumulate with truncation, and flushing every 32 K keeps that bias at the level of fp32 (see
-// tf32x3_splitk_kernel). Pipeline per K tile kt: issue tile kt's wgmmas; meanwhile issue the
-// cp.async loads of tile kt + kStages - 1 and split the weight tile kt + 1; wait for the wgmmas,
-// flush, barrier, load tile kt + 1's x fragments.
+// tf32x3_splitk_kernel). While a tile's wgmmas run, the consumer waits for the next stage and
+// loads its fragments into the second register set.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/forward_gemm.cuh"
 
@@ -52,30 +61,49 @@ namespace forward_gemm {
 constexpr int kWgBlockM = kTcBlockM;  // 128 x rows: the host's split-K planner serves both kernels
 constexpr int kWgBlockN = kTcBlockN;  // 128 weight rows: the N of one m64n128k8 wgmma
 constexpr int kWgBlockK = kTcBlockK;  // 32 floats = 128 bytes: one swizzle row
-constexpr int kWgWarpgroups = 2;
-constexpr int kWgThreads = 128 * kWgWarpgroups;
-// 4 stages of {x 18 KB, weight 16 KB} + 2 small-half weight buffers = 168 KB (+1 KB to align).
+constexpr int kWgThreads = 384;         // producer warpgroup + 2 consumer warpgroups
+constexpr int kWgProducerThreads = 128;
+constexpr int kWgConsumerWarps = 8;
+// Per-thread registers after setmaxnreg: 128 x 88 + 256 x 208 = 64512 = 384 x 168, the launch's
+// allocation, so the consumers' increase never waits. Chosen with ptxas -v: the consumers spill
+// below 208 (accumulator, total, two A fragment sets), the producer (8 rows of 64-bit addresses
+// for x and weight, unrolled) below 88.
+constexpr int kWgProducerRegisters = 88;
+constexpr int kWgConsumerRegisters = 208;
+// 4 stages of {weight big 16 KB, weight small 16 KB, x 18 KB} = 200 KB (+1 KB to align).
 constexpr int kWgStages = 4;
+// Tiles the producer keeps loading while it splits the oldest: its cp.async groups in flight.
+// At most kWgStages - 1, so that the stage it waits to refill was released to the consumers.
+constexpr int kWgLookahead = 2;
 constexpr int kWgMmaK = 8;
-constexpr int kWgAccum = kWgBlockN / 2;  // 64 m64n128 accumulator floats per thread
+constexpr int kWgKSteps = kWgBlockK / kWgMmaK;  // 4
+constexpr int kWgAccum = kWgBlockN / 2;          // 64 m64n128 accumulator floats per thread
 
-constexpr int kWgWeightTileBytes = kWgBlockN * kWgBlockK * 4;          // 16 KB, swizzled
-constexpr int kWgXLd = kWgBlockK + 4;                                  // padded x row, floats
-constexpr int kWgXTileBytes = kWgBlockM * kWgXLd * 4;                  // 18 KB
-constexpr int kWgWeightOffset = 0;                                     // kWgStages weight tiles
-constexpr int kWgSmallOffset = kWgStages * kWgWeightTileBytes;         // 2 small-half tiles
-constexpr int kWgXOffset = kWgSmallOffset + 2 * kWgWeightTileBytes;    // kWgStages x tiles
+constexpr int kWgWeightTileBytes = kWgBlockN * kWgBlockK * 4;         // 16 KB, swizzled
+constexpr int kWgXLd = kWgBlockK + 4;                                 // padded x row, floats
+constexpr int kWgXTileBytes = kWgBlockM * kWgXLd * 4;                 // 18 KB
+constexpr int kWgBigOffset = 0;                                       // kWgStages big halves
+constexpr int kWgSmallOffset = kWgStages * kWgWeightTileBytes;        // kWgStages small halves
+constexpr int kWgXOffset = 2 * kWgStages * kWgWeightTileBytes;        // kWgStages x tiles
+constexpr int kWgBarrierOffset = kWgXOffset + kWgStages * kWgXTileBytes;  // full[S], empty[S]
 constexpr int kWgSwizzleAlign = 1024;
-constexpr int kWgSmemBytes = kWgXOffset + kWgStages * kWgXTileBytes + kWgSwizzleAlign;
+constexpr int kWgSmemBytes = kWgBarrierOffset + 2 * kWgStages * 8 + kWgSwizzleAlign;
 
-constexpr int kWgChunksPerRow = kWgBlockK / 4;                    // 16-byte chunks per tile row
-constexpr int kWgLoadRowsPerPass = kWgThreads / kWgChunksPerRow;  // 32
-constexpr int kWgLoadPasses = kWgBlockM / kWgLoadRowsPerPass;     // 4 (x and weight alike)
+// Producer thread i moves 16-byte chunk i % 8 of tile rows i / 8 + 16 r, r < 8 (x and weight).
+constexpr int kWgChunksPerRow = kWgBlockK / 4;                            // 8
+constexpr int kWgProducerRowStep = kWgProducerThreads / kWgChunksPerRow;  // 16
+constexpr int kWgProducerRows = kWgBlockM / kWgProducerRowStep;           // 8 rows per thread
 
-static_assert(kWgBlockM == 64 * kWgWarpgroups, "one m64 wgmma row block per warpgroup");
-static_assert(kWgBlockM == kWgBlockN, "the loader walks x and weight tiles with the same passes");
+static_assert(kWgConsumerWarps * 16 == kWgBlockM, "16 x rows per consumer warp");
+static_assert(kWgProducerThreads + 32 * kWgConsumerWarps == kWgThreads, "warp roles");
+static_assert(kWgProducerThreads * kWgProducerRegisters +
+                      32 * kWgConsumerWarps * kWgConsumerRegisters <=
+                  kWgThreads * 168,
+              "setmaxnreg must stay within the launch's registers (65536 / 384, rounded to 8)");
+static_assert(kWgBlockM == kWgBlockN, "the producer walks x and weight tiles with the same rows");
 static_assert(kWgBlockK * 4 == 128, "one 128-byte swizzle row per tile row");
 static_assert(kWgWeightTileBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
+static_assert(kWgLookahead >= 1 && kWgLookahead < kWgStages, "producer look-ahead");
 
 #if FPG_WGMMA_DEVICE_CODE
 
@@ -105,6 +133,35 @@ __device__ __forceinline__ void wgmma_wait_all() {
 // that wgmma reads through only after this fence (and a barrier with the reading threads).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// mbarriers in shared memory (PTX ISA "mbarrier"): arrive has release and try_wait acquire
+// semantics at CTA scope, so data written before an arrive is visible after the matching wait.
+__device__ __forceinline__ void mbarrier_init(uint32_t barrier, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+// Waits until the phase with this parity (0, 1, 0, ... for uses 0, 1, 2, ...) has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(barrier),
+      "r"(parity)
+      : "memory");
+}
+
+// Moves this warpgroup's per-thread register allocation to kCount (all its warps must execute it).
+template <bool kIncrease, int kCount>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (kIncrease) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kCount));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kCount));
+  }
 }
 
 // d (+)= a * b on 64 x 128 x 8: a from registers (TF32 bit patterns), b [128 rows][8] K-major
@@ -141,12 +198,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
   const uint32_t smem_base =
       (shared_address(smem_raw) + (kWgSwizzleAlign - 1)) & ~uint32_t{kWgSwizzleAlign - 1};
   unsigned char* const smem = smem_raw + (smem_base - shared_address(smem_raw));
+  const uint32_t full_barrier = smem_base + kWgBarrierOffset;    // + 8 stage
+  const uint32_t empty_barrier = full_barrier + 8 * kWgStages;   // + 8 stage
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int warpgroup = warp / 4;
-  const int warp_in_group = warp % 4;
 
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kWgBlockN;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kWgBlockM;
@@ -155,77 +212,99 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
   const int64_t k_end = min(k_begin + p.k_per_split, p.k);
   const int num_k_tiles = static_cast<int>(ceil_div(k_end - k_begin, int64_t{kWgBlockK}));
 
-  // Loader: thread -> tile rows load_row + 32 pass, chunk load_chunk (floats 4 load_chunk ...).
-  const int load_row = tid / kWgChunksPerRow;
-  const int load_chunk = tid % kWgChunksPerRow;
-  const float* x_src[kWgLoadPasses];
-  bool x_ok[kWgLoadPasses];
-  const float* w_src[kWgLoadPasses];
-  bool w_ok[kWgLoadPasses];
+  if (tid == 0) {
+    for (int s = 0; s < kWgStages; ++s) {
+      mbarrier_init(full_barrier + 8 * s, kWgProducerThreads);
+      mbarrier_init(empty_barrier + 8 * s, kWgConsumerWarps);  // one lane per consumer warp
+    }
+  }
+  __syncthreads();
+
+  if (warp < kWgProducerThreads / 32) {
+    // ---------------------------------------------------------------------------------------
+    // Producer. Each thread splits exactly the weight chunks it loaded itself (the split is
+    // elementwise), so waiting for its own cp.async groups is enough; no barrier among threads.
+    set_max_registers<false, kWgProducerRegisters>();
+    const int row0 = tid / kWgChunksPerRow;
+    const int chunk = tid % kWgChunksPerRow;
+    auto issue_tile = [&](int k_tile) {
+      const int stage = k_tile % kWgStages;
+      const int64_t k = k_begin + static_cast<int64_t>(k_tile) * kWgBlockK + 4 * chunk;
+      // The chunk holds floats [k, k + 4) with k and k_end multiples of 4: all in or all out.
+      const bool k_ok = k < k_end;
+      const uint32_t x_tile = smem_base + kWgXOffset + stage * kWgXTileBytes;
+      const uint32_t w_tile = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
 #pragma unroll
-  for (int pass = 0; pass < kWgLoadPasses; ++pass) {
-    const int row = load_row + pass * kWgLoadRowsPerPass;
-    x_ok[pass] = m0 + row < p.m;
-    x_src[pass] = p.x + (x_ok[pass] ? m0 + row : 0) * p.ldx + k_begin + 4 * load_chunk;
-    w_ok[pass] = n0 + row < p.n;
-    w_src[pass] = p.w + (w_ok[pass] ? n0 + row : 0) * p.ldw + k_begin + 4 * load_chunk;
+      for (int i = 0; i < kWgProducerRows; ++i) {
+        const int row = row0 + kWgProducerRowStep * i;
+        const bool x_ok = k_ok && m0 + row < p.m;
+        cp_async_16(x_tile + (row * kWgXLd + 4 * chunk) * 4,
+                    x_ok ? p.x + (m0 + row) * p.ldx + k : p.x, x_ok ? 16 : 0);
+        const bool w_ok = k_ok && n0 + row < p.n;
+        cp_async_16(w_tile + swizzle128(row, chunk), w_ok ? p.w + (n0 + row) * p.ldw + k : p.w,
+                    w_ok ? 16 : 0);
+      }
+      cp_async_commit();
+    };
+    auto release_tile = [&](int k_tile) {
+      const int stage = k_tile % kWgStages;
+      unsigned char* big = smem + kWgBigOffset + stage * kWgWeightTileBytes;
+      unsigned char* small = smem + kWgSmallOffset + stage * kWgWeightTileBytes;
+#pragma unroll
+      for (int i = 0; i < kWgProducerRows; ++i) {
+        const uint32_t off = swizzle128(row0 + kWgProducerRowStep * i, chunk);
+        uint4 v = *reinterpret_cast<const uint4*>(big + off);
+        uint4 w;
+        split_tf32(v.x, v.x, w.x);
+        split_tf32(v.y, v.y, w.y);
+        split_tf32(v.z, v.z, w.z);
+        split_tf32(v.w, v.w, w.w);
+        *reinterpret_cast<uint4*>(big + off) = v;
+        *reinterpret_cast<uint4*>(small + off) = w;
+      }
+      fence_proxy_async_shared();  // the halves are read by wgmma (async proxy)
+      mbarrier_arrive(full_barrier + 8 * stage);
+    };
+    for (int kt = 0; kt < num_k_tiles; ++kt) {
+      if (kt >= kWgStages) {
+        // Stage kt % S held tile kt - S: wait until every consumer warp is done with it.
+        mbarrier_wait(empty_barrier + 8 * (kt % kWgStages), ((kt / kWgStages) - 1) & 1);
+      }
+      issue_tile(kt);
+      if (kt >= kWgLookahead) {
+        cp_async_wait<kWgLookahead>();  // groups committed: kt + 1 => tile kt - lookahead landed
+        release_tile(kt - kWgLookahead);
+      }
+    }
+    cp_async_wait<0>();
+    for (int kt = max(num_k_tiles - kWgLookahead, 0); kt < num_k_tiles; ++kt) release_tile(kt);
+    return;
   }
 
-  auto load_tile = [&](int k_tile) {
-    const int stage = k_tile % kWgStages;
-    const int64_t k_off = static_cast<int64_t>(k_tile) * kWgBlockK;
-    // The chunk holds floats [k, k + 4) with k and k_end multiples of 4: all in or all out.
-    const bool k_ok = k_begin + k_off + 4 * load_chunk < k_end;
-    const uint32_t x_tile = smem_base + kWgXOffset + stage * kWgXTileBytes;
-    const uint32_t w_tile = smem_base + kWgWeightOffset + stage * kWgWeightTileBytes;
-#pragma unroll
-    for (int pass = 0; pass < kWgLoadPasses; ++pass) {
-      const int row = load_row + pass * kWgLoadRowsPerPass;
-      const bool xo = x_ok[pass] && k_ok;
-      cp_async_16(x_tile + (row * kWgXLd + 4 * load_chunk) * 4, xo ? x_src[pass] + k_off : p.x,
-                  xo ? 16 : 0);
-      const bool wo = w_ok[pass] && k_ok;
-      cp_async_16(w_tile + swizzle128(row, load_chunk), wo ? w_src[pass] + k_off : p.w,
-                  wo ? 16 : 0);
-    }
-  };
-
-  // Weight tile k_tile (landed) -> big half in place, small half into small buffer k_tile % 2.
-  // Elementwise, so the swizzle does not matter: this thread takes the chunks it loaded.
-  auto split_weight_tile = [&](int k_tile) {
-    unsigned char* w_tile = smem + kWgWeightOffset + (k_tile % kWgStages) * kWgWeightTileBytes;
-    unsigned char* small = smem + kWgSmallOffset + (k_tile % 2) * kWgWeightTileBytes;
-#pragma unroll
-    for (int pass = 0; pass < kWgLoadPasses; ++pass) {
-      const uint32_t off = swizzle128(load_row + pass * kWgLoadRowsPerPass, load_chunk);
-      uint4 v = *reinterpret_cast<const uint4*>(w_tile + off);
-      uint4 s;
-      split_tf32(v.x, v.x, s.x);
-      split_tf32(v.y, v.y, s.y);
-      split_tf32(v.z, v.z, s.z);
-      split_tf32(v.w, v.w, s.w);
-      *reinterpret_cast<uint4*>(w_tile + off) = v;
-      *reinterpret_cast<uint4*>(small + off) = s;
-    }
-    fence_proxy_async_shared();
-  };
-
-  // This warp's A fragments (16 rows x 8 K per step) of x tile k_tile, split into big and small.
+  // -----------------------------------------------------------------------------------------
+  // Consumers.
+  set_max_registers<true, kWgConsumerRegisters>();
+  const int warpgroup = warp / 4 - 1;  // consumer index: x rows [64 c, 64 c + 64)
+  const int warp_in_group = warp % 4;
   // ldmatrix.x4 lane l points at row (l & 7) + 8 ((l >> 3) & 1), column 4 (l >> 4) of the 16 x 8
   // block: matrices = a0..a3 (see the mma.sync kernel's header comment).
   const uint32_t a_frag_off =
       ((warpgroup * 64 + warp_in_group * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kWgXLd +
        4 * (lane >> 4)) * 4;
-  uint32_t a_big[kWgBlockK / kWgMmaK][4];
-  uint32_t a_small[kWgBlockK / kWgMmaK][4];
-  auto load_x_fragments = [&](int k_tile) {
-    const uint32_t x_tile = smem_base + kWgXOffset + (k_tile % kWgStages) * kWgXTileBytes;
+  // Two sets of A fragments: the wgmmas of a tile read their registers until they complete, while
+  // the next tile's are loaded.
+  uint32_t a_big[2][kWgKSteps][4];
+  uint32_t a_small[2][kWgKSteps][4];
+  auto load_x_fragments = [&](int k_tile, int set) {
+    const int stage = k_tile % kWgStages;
+    mbarrier_wait(full_barrier + 8 * stage, (k_tile / kWgStages) & 1);
+    const uint32_t x_tile = smem_base + kWgXOffset + stage * kWgXTileBytes;
 #pragma unroll
-    for (int kk = 0; kk < kWgBlockK / kWgMmaK; ++kk) {
+    for (int kk = 0; kk < kWgKSteps; ++kk) {
       uint32_t r[4];
       ldmatrix_x4(r, x_tile + a_frag_off + kk * kWgMmaK * 4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) split_tf32(r[e], a_big[kk][e], a_small[kk][e]);
+      for (int e = 0; e < 4; ++e) split_tf32(r[e], a_big[set][kk][e], a_small[set][kk][e]);
     }
   };
 
@@ -237,57 +316,36 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     total[i] = 0.f;
   }
 
-  // Prologue: tiles 0 .. kWgStages - 2, one commit per tile slot even when empty, so that the
-  // group count stays "tile index + 1" and the waits below are exact.
-#pragma unroll
-  for (int s = 0; s < kWgStages - 1; ++s) {
-    if (s < num_k_tiles) load_tile(s);
-    cp_async_commit();
-  }
-  if (num_k_tiles > 0) {
-    cp_async_wait<kWgStages - 2>();
-    __syncthreads();  // tile 0 landed for every thread
-    split_weight_tile(0);
-    __syncthreads();  // tile 0's halves written and fenced by every thread
-    load_x_fragments(0);
-  }
-
-  for (int kt = 0; kt < num_k_tiles; ++kt) {
-    const uint32_t w_big = smem_base + kWgWeightOffset + (kt % kWgStages) * kWgWeightTileBytes;
-    const uint32_t w_small = smem_base + kWgSmallOffset + (kt % 2) * kWgWeightTileBytes;
+  // The loop body is written for register set kt % 2 at compile time (two tiles per iteration):
+  // register arrays indexed by a run-time value would go to local memory.
+  auto run_tile = [&](int kt, auto set_constant) {
+    constexpr int kSet = decltype(set_constant)::value;
+    const int stage = kt % kWgStages;
+    const uint32_t w_big = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
+    const uint32_t w_small = smem_base + kWgSmallOffset + stage * kWgWeightTileBytes;
     wgmma_fence();  // acc and the A registers were last written by ordinary instructions
 #pragma unroll
-    for (int kk = 0; kk < kWgBlockK / kWgMmaK; ++kk) {
-      wgmma_m64n128k8_tf32(acc, a_small[kk], weight_descriptor(w_big + 32 * kk), kk > 0);
-      wgmma_m64n128k8_tf32(acc, a_big[kk], weight_descriptor(w_small + 32 * kk), true);
+    for (int kk = 0; kk < kWgKSteps; ++kk) {
+      wgmma_m64n128k8_tf32(acc, a_small[kSet][kk], weight_descriptor(w_big + 32 * kk), kk > 0);
+      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_small + 32 * kk), true);
     }
 #pragma unroll
-    for (int kk = 0; kk < kWgBlockK / kWgMmaK; ++kk) {
-      wgmma_m64n128k8_tf32(acc, a_big[kk], weight_descriptor(w_big + 32 * kk), true);
+    for (int kk = 0; kk < kWgKSteps; ++kk) {
+      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk), true);
     }
     wgmma_commit();
-
-    // While the tensor cores work: refill the stage of tile kt - 1 (its wgmmas finished before the
-    // barrier that ended the last iteration) and split the weight tile kt + 1 into the small
-    // buffer tile kt - 1 used.
-    if (kt + kWgStages - 1 < num_k_tiles) load_tile(kt + kWgStages - 1);
-    cp_async_commit();
-    if (kt + 1 < num_k_tiles) {
-      // Groups committed: kWgStages + kt; at most kWgStages - 2 pending => tile kt + 1 landed.
-      cp_async_wait<kWgStages - 2>();
-      __syncthreads();
-      split_weight_tile(kt + 1);
-    }
-
+    if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
     wgmma_wait_all();
+    if (lane == 0) mbarrier_arrive(empty_barrier + 8 * stage);
 #pragma unroll
     for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
-    // Every warpgroup is done with tile kt (its stage may be refilled next iteration) and every
-    // thread's half of weight tile kt + 1 is written and fenced.
-    __syncthreads();
-    if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1);
+  };
+
+  if (num_k_tiles > 0) load_x_fragments(0, 0);
+  for (int kt = 0; kt < num_k_tiles; kt += 2) {
+    run_tile(kt, std::integral_constant<int, 0>{});
+    if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
   }
-  cp_async_wait<0>();  // only empty groups can remain
 
   // Store: value 4 j + e of this thread is row g (+8 for e >= 2), column 8 j + 2 t (+1 for odd e).
   const int g = lane >> 2;
