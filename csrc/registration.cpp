@@ -3,30 +3,21 @@
 // The math (docs in ../README.md, derivation in DESIGN.md):
 //   fold:    pooled_weight[n] = mean_r weight[n*k + r],  pooled_bias[n] = mean_r bias[n*k + r]
 //   forward: out[b] = max_n scale * gelu(x[b] . pooled_weight[n] + pooled_bias[n])
-// Device kernels register themselves next to their code (csrc/cpu/*.cpp, csrc/cuda/*.cu);
-// fake kernels and autograd formulas live in fused_pool_gelu/ops.py.
+// Device kernels register themselves next to their code (csrc/cpu/*.cpp, csrc/cuda/*.cu), and so
+// do model_forward's kernels (csrc/model_forward.cpp); fake kernels and the other autograd formulas
+// live in fused_pool_gelu/ops.py.
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <tuple>
 
-namespace fused_pool_gelu {
+#include "op_calls.h"
 
-static std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward_with_argmax(
-    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-    double scale) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("fused_pool_gelu::forward_with_argmax", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                           double)>();
-  return op.call(x, weight, bias, scale);
-}
+namespace fused_pool_gelu {
 
 // forward on a device: forward_with_argmax without the outputs kept for backward.
 static at::Tensor forward_kernel(const at::Tensor& x, const at::Tensor& weight,
@@ -69,6 +60,11 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
       "forward_backward(Tensor? grad_out, Tensor? grad_preactivation, Tensor x, Tensor weight, "
       "Tensor argmax, Tensor preactivation, float scale) -> "
       "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
+  // The whole block on the UNFOLDED Linear parameters: forward(x, *fold(weight, bias, k), scale),
+  // differentiable through one C++ autograd node (the training path of ModelNew).
+  m.def(
+      "model_forward(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, float scale) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["fold", "forward", "forward_with_argmax"]
+__all__ = ["fold", "forward", "forward_with_argmax", "model_forward"]
 
 _ops = torch.ops.fused_pool_gelu
 
@@ -47,6 +47,18 @@ def forward_with_argmax(
     index; in a row holding NaN, the first NaN.
     """
     return _ops.forward_with_argmax(x, weight, bias, scale)
+
+
+def model_forward(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int, scale: float
+) -> Tensor:
+    """The whole block on the unfolded Linear parameters: ``forward(x, *fold(weight, bias, k), scale)``.
+
+    Same values and gradients, bit for bit, as :func:`fold` then :func:`forward`, through one C++
+    autograd node (csrc/model_forward.cpp) instead of two Python ones: less host time per training
+    step. Errors name the op that checks the argument (``fold`` or ``forward``).
+    """
+    return _ops.model_forward(x, weight, bias, pool_kernel_size, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,6 +123,12 @@ def _forward_fake(x, weight, bias, scale):
     return x.new_empty((x.shape[0],))
 
 
+@torch.library.register_fake("fused_pool_gelu::model_forward")
+def _model_forward_fake(x, weight, bias, pool_kernel_size, scale):
+    pooled_weight, pooled_bias = _fold_fake(weight, bias, pool_kernel_size)
+    return _forward_fake(x, pooled_weight, pooled_bias, scale)
+
+
 @torch.library.register_fake("fused_pool_gelu::forward_backward")
 def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale):
     _check_forward_shapes(x, weight, None)
@@ -125,7 +143,8 @@ def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, prea
 # Autograd. fold and fold_backward are adjoint linear maps, so each is the other's derivative
 # (double backward of the fold comes for free). forward_with_argmax's derivative is the arg-max
 # backward; `forward`'s autograd kernel (csrc/registration.cpp) goes through forward_with_argmax
-# when a gradient is needed and straight to the device kernel otherwise.
+# when a gradient is needed and straight to the device kernel otherwise. model_forward's autograd
+# kernel is C++ (csrc/model_forward.cpp): the same derivatives in one node.
 
 
 def _fold_setup_context(ctx, inputs, output):
@@ -205,6 +224,8 @@ torch.library.register_autograd(
 # float16) and everything after it stays in that dtype, so under autocast forward_with_argmax casts
 # its floating inputs to the autocast dtype of their device and returns outputs in that dtype
 # (accumulating in float32 inside). fold is a mean, which autocast leaves alone, like AvgPool1d.
+# model_forward under autocast is fold then forward, the ops one by one: float32 pooled parameters
+# that forward_with_argmax's autocast kernel casts (and autograd through the casts).
 
 
 def _make_autocast_kernel(device_type):
@@ -227,7 +248,16 @@ _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | tor
     torch._C.DispatchKey.AutocastCUDA
 )
 _autocast_lib = torch.library.Library("fused_pool_gelu", "IMPL")
+
+
+def _model_forward_autocast(x, weight, bias, pool_kernel_size, scale):
+    # Through the public wrappers, as ModelNew's other paths call the ops (and as
+    # test_model_new_folds_in_float32_under_autocast observes them).
+    return forward(x, *fold(weight, bias, pool_kernel_size), scale)
+
+
 for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
     _autocast_lib.impl(
         "forward_with_argmax", _make_autocast_kernel(_device_type), _key, with_keyset=True
     )
+    _autocast_lib.impl("model_forward", _model_forward_autocast, _key)

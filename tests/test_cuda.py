@@ -446,6 +446,48 @@ def test_ops_run_on_the_current_non_default_stream(make_inputs):
         assert torch.equal(a, b)
 
 
+# (batch, pooled) around the grouping kernel's tile of 4096 rows and scan chunk of 4096 segments
+# (group_rows_kernel in csrc/cuda/backward.cu): one tile, a tile boundary, several tiles, several
+# chunks, single row and single segment.
+GROUPING_SHAPES = [(1, 1), (37, 5), (4096, 512), (4097, 4097), (10000, 300), (3000, 9000)]
+
+
+@pytest.mark.parametrize("batch,pooled", GROUPING_SHAPES, ids=str)
+def test_backward_adds_each_arg_max_group_in_increasing_row_order(batch, pooled):
+    # With grad_preactivation alone, dz[b] is that value exactly (no erf or exp), so grad_weight
+    # and grad_bias must be, bit for bit, float32 sums over each group's rows in increasing b of
+    # rounded products: with random values any other order, or a row lost or counted twice, shows.
+    gen = torch.Generator().manual_seed(batch * 7919 + pooled)
+    in_features = 24
+    x = torch.randn(batch, in_features, generator=gen)
+    weight = torch.randn(pooled, in_features, generator=gen)
+    # Half the rows crowd into three groups (long groups across tiles), the rest spread out, and
+    # about 5% are out of range (in no group: NaN grad_x, nothing added).
+    crowded = torch.randint(0, min(pooled, 3), (batch,), generator=gen)
+    spread = torch.randint(0, pooled, (batch,), generator=gen)
+    pick = torch.rand(batch, generator=gen)
+    argmax = torch.where(pick < 0.5, crowded, spread)
+    argmax = torch.where(pick > 0.975, torch.full_like(argmax, -1), argmax)
+    argmax = torch.where((pick > 0.95) & (pick <= 0.975), torch.full_like(argmax, pooled + 3), argmax)
+    dz = torch.randn(batch, generator=gen)
+
+    grad_x, grad_weight, grad_bias = _OPS.forward_backward(
+        None, dz.cuda(), x.cuda(), weight.cuda(), argmax.cuda(), torch.randn(batch).cuda(), 2.0
+    )
+    expected_weight = torch.zeros(pooled, in_features)
+    expected_bias = torch.zeros(pooled)
+    valid = (argmax >= 0) & (argmax < pooled)
+    for b in torch.nonzero(valid).flatten().tolist():
+        n = int(argmax[b])
+        expected_weight[n] = expected_weight[n] + dz[b] * x[b]
+        expected_bias[n] = expected_bias[n] + dz[b]
+    assert torch.equal(grad_weight.cpu().view(torch.int32), expected_weight.view(torch.int32))
+    assert torch.equal(grad_bias.cpu().view(torch.int32), expected_bias.view(torch.int32))
+    expected_x = dz[valid, None] * weight[argmax[valid]]
+    assert torch.equal(grad_x.cpu()[valid].view(torch.int32), expected_x.view(torch.int32))
+    assert bool(grad_x.cpu()[~valid].isnan().all())
+
+
 def test_forward_and_backward_are_bitwise_deterministic_run_to_run():
     model, new = _models(2048, 2048, 16, 2.0, seed=9)
     x = torch.rand(1024, 2048, device=DEVICE)

@@ -266,3 +266,99 @@ def test_forward_without_bias_matches_reference_gradients(device, exact_dtype, m
     tol = TOLERANCE[exact_dtype]
     for ours, theirs in zip(grads, expected):
         torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# model_forward: fold then forward as one C++ autograd node, the same bits as the two ops
+
+
+def _bits(t):
+    """The raw bits of a float tensor (torch.equal treats -0.0 and +0.0 as equal; this does not)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _fold_then_forward_grads(x, weight, bias, k, scale, grad_out, fused):
+    """(out, grad of each input that requires grad) through model_forward or fold then forward."""
+    if fused:
+        out = ops.model_forward(x, weight, bias, k, scale)
+    else:
+        out = ops.forward(x, *ops.fold(weight, bias, k), scale)
+    inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
+    return (out, *torch.autograd.grad(out, inputs, grad_out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", [2.0, -1.0, 0.0], ids=str)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+def test_model_forward_equals_fold_then_forward_bit_for_bit(
+    has_bias, scale, dtype, device, make_inputs
+):
+    # scale 0 gives gradients of -0.0 before the arg-max backward's + 0: signs of zero count too.
+    x, weight, bias = make_inputs(40, 24, 34, dtype, device, bias=has_bias)
+    grad_out = torch.randn(40, device=device).to(dtype)
+    leaves = [None if t is None else _leaf(t) for t in (x, weight, bias)]
+    fused = _fold_then_forward_grads(*leaves, 4, scale, grad_out, fused=True)
+    leaves = [None if t is None else _leaf(t) for t in (x, weight, bias)]
+    separate = _fold_then_forward_grads(*leaves, 4, scale, grad_out, fused=False)
+    assert len(fused) == len(separate)
+    for a, b in zip(fused, separate):
+        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("needs", ["x", "weight", "bias", "weight_and_bias"])
+def test_model_forward_returns_only_the_gradients_asked_for(needs, device, exact_dtype, make_inputs):
+    x, weight, bias = make_inputs(10, 16, 12, exact_dtype, device)
+    leaves = {"x": x.clone(), "weight": weight.clone(), "bias": bias.clone()}
+    for name in needs.split("_and_"):
+        leaves[name].requires_grad_(True)
+    ops.model_forward(leaves["x"], leaves["weight"], leaves["bias"], 3, 2.0).sum().backward()
+    separate = {name: _leaf(t) for name, t in (("x", x), ("weight", weight), ("bias", bias))}
+    ops.forward(separate["x"], *ops.fold(separate["weight"], separate["bias"], 3), 2.0).sum().backward()
+    for name, leaf in leaves.items():
+        if leaf.requires_grad:
+            assert torch.equal(leaf.grad, separate[name].grad)
+        else:
+            assert leaf.grad is None
+
+
+def test_model_forward_records_one_autograd_node(device, make_inputs):
+    x, weight, bias = (_leaf(t) for t in make_inputs(4, 16, 12, torch.float32, device))
+    out = ops.model_forward(x, weight, bias, 3, 2.0)
+    # Straight from the op's node to the leaves: no fold node, no forward_with_argmax node.
+    leaves = [fn.variable for fn, _ in out.grad_fn.next_functions]
+    assert leaves == [x, weight, bias]
+
+
+def test_model_forward_without_grad_mode_records_nothing(device, make_inputs):
+    x, weight, bias = (_leaf(t) for t in make_inputs(4, 16, 12, torch.float32, device))
+    with torch.no_grad():
+        out = ops.model_forward(x, weight, bias, 3, 2.0)
+    with torch.inference_mode():
+        inference_out = ops.model_forward(x, weight, bias, 3, 2.0)
+    expected = ops.forward(x.detach(), *ops.fold(weight.detach(), bias.detach(), 3), 2.0)
+    assert out.grad_fn is None and not out.requires_grad
+    assert torch.equal(out, expected) and torch.equal(inference_out, expected)
+
+
+def test_double_backward_of_model_forward_raises_a_clear_error(device, exact_dtype):
+    x, weight, bias = _gradcheck_inputs(device, exact_dtype, pooled=6)
+    out = ops.model_forward(x, weight, bias, 2, 2.0)
+    (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        grad_x.sum().backward()
+
+
+def test_gradcheck_model_forward():
+    x, weight, bias = _gradcheck_inputs(pooled=6)
+    assert gradcheck(lambda x, w, b: ops.model_forward(x, w, b, 2, 2.0), (x, weight, bias))
+
+
+def test_model_forward_saved_input_edited_in_place_raises(device, make_inputs):
+    # x is saved for the backward: autograd's version check catches an edit between the passes.
+    x, weight, bias = (_leaf(t) for t in make_inputs(4, 16, 12, torch.float32, device))
+    x_used = x * 1.0
+    out = ops.model_forward(x_used, weight, bias, 3, 2.0)
+    with torch.no_grad():
+        x_used.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

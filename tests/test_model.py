@@ -37,15 +37,17 @@ def _pair(args, device="cpu", dtype=torch.float32, seed=1234):
 
 @pytest.fixture
 def fold_calls(monkeypatch):
-    """Counts calls of ops.fold made through fused_pool_gelu.ops (what ModelNew calls)."""
+    """Counts the calls that fold the weight made through fused_pool_gelu.ops (what ModelNew
+    calls): ops.fold, and ops.model_forward (which folds inside, on its training path)."""
     calls = []
-    real_fold = ops.fold
+    for name in ("fold", "model_forward"):
+        real = getattr(ops, name)
 
-    def counting_fold(*args, **kwargs):
-        calls.append(args)
-        return real_fold(*args, **kwargs)
+        def counting(*args, real=real, **kwargs):
+            calls.append(args)
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused_pool_gelu.ops, "fold", counting_fold)
+        monkeypatch.setattr(fused_pool_gelu.ops, name, counting)
     return calls
 
 
@@ -360,6 +362,49 @@ def test_grad_enabled_folds_every_call_and_the_weight_gets_a_gradient(fold_calls
     assert len(fold_calls) == 2
     assert new.matmul.weight.grad is not None and new.matmul.bias.grad is not None
     assert bool(new.matmul.weight.grad.any()) and bool(new.matmul.bias.grad.any())
+
+
+def _training_step(module, x, grad_out):
+    """Gradients of x, weight and bias from one step: grads set to None, forward, backward."""
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    module(x).backward(grad_out)
+    return x.grad, module.matmul.weight.grad, module.matmul.bias.grad
+
+
+@pytest.mark.parametrize("args", ARGS)
+def test_training_step_gradients_match_model(args, device, exact_dtype):
+    model, new = _pair(args, device, exact_dtype)
+    x = torch.randn(24, args[0], device=device, dtype=exact_dtype)
+    grad_out = torch.randn(24, device=device, dtype=exact_dtype)
+    tol = 1e-10 if exact_dtype == torch.float64 else 1e-4
+    for ours, expected in zip(_training_step(new, x, grad_out), _training_step(model, x, grad_out)):
+        torch.testing.assert_close(ours, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("args", ARGS)
+def test_training_step_equals_fold_then_forward_bit_for_bit(args, device):
+    # The eager training path (ops.model_forward, one autograd node) against the ops one by one.
+    _, new = _pair(args, device)
+    x = torch.randn(24, args[0], device=device)
+    grad_out = torch.randn(24, device=device)
+    fused = _training_step(new, x, grad_out)
+    weight = new.matmul.weight.detach().clone().requires_grad_(True)
+    bias = new.matmul.bias.detach().clone().requires_grad_(True)
+    x_leaf = x.clone().requires_grad_(True)
+    ops.forward(x_leaf, *ops.fold(weight, bias, new.pool_kernel_size), new.scale_factor).backward(
+        grad_out
+    )
+    for a, b in zip(fused, (x_leaf.grad, weight.grad, bias.grad)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_eager_training_records_one_autograd_node_for_the_block(device):
+    new, x = _new_and_input(device)
+    out = new(x)
+    # Straight from the block's node to the parameters (x does not require grad: no edge).
+    leaves = [fn.variable for fn, _ in out.grad_fn.next_functions if fn is not None]
+    assert leaves == [new.matmul.weight, new.matmul.bias]
 
 
 def _frozen_pair(device):

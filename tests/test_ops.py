@@ -1,4 +1,5 @@
-"""The ops (fold, fold_backward, forward, forward_with_argmax, forward_backward) as specifications.
+"""The ops (fold, fold_backward, forward, forward_with_argmax, forward_backward, model_forward) as
+specifications.
 
 Each op is compared with plain PyTorch float64 formulas (conftest ``ref``), across the shapes
 that break kernels: tiny K, O % k != 0, k = 1, k = O, empty and single-row batches,
@@ -464,6 +465,16 @@ def _opcheck_cases(device, requires_grad):
             _OPS.forward_with_argmax.default,
             (leaf(x[:0]), leaf(pooled_weight), leaf(pooled_bias), 2.0),
         ),
+        "model_forward": (
+            _OPS.model_forward.default, (leaf(x), leaf(weight), leaf(bias), 3, 2.0)
+        ),
+        "model_forward_no_bias": (
+            _OPS.model_forward.default, (leaf(x), leaf(weight), None, 3, -1.0)
+        ),
+        "model_forward_k1": (_OPS.model_forward.default, (leaf(x), leaf(weight), leaf(bias), 1, 0.5)),
+        "model_forward_empty_batch": (
+            _OPS.model_forward.default, (leaf(x[:0]), leaf(weight), leaf(bias), 3, 2.0)
+        ),
     }, (x, pooled_weight, argmax, preactivation)
 
 
@@ -632,6 +643,34 @@ def _bad_input_cases():
             lambda d: ops.forward_with_argmax(t(4, device=d), t(3, 4, device=d), None, 2.0),
             r"forward: x must be 2-D \[batch, in_features\]",
         ),
+        # model_forward: each argument is checked by the op it goes to (fold, then forward)
+        "model_forward_weight_rank": (
+            lambda d: ops.model_forward(t(4, 8, device=d), t(8, device=d), None, 2, 2.0),
+            r"fold: weight must be 2-D \[out_features, in_features\], got shape \[8\]",
+        ),
+        "model_forward_k_above_out_features": (
+            lambda d: ops.model_forward(t(4, 8, device=d), t(6, 8, device=d), None, 7, 2.0),
+            r"fold: pool_kernel_size must be <= out_features \(6\)",
+        ),
+        "model_forward_bias_shape": (
+            lambda d: ops.model_forward(t(4, 8, device=d), t(6, 8, device=d), t(5, device=d), 2, 2.0),
+            r"fold: bias must be 1-D \[out_features\] = \[6\], got shape \[5\]",
+        ),
+        "model_forward_x_rank": (
+            lambda d: ops.model_forward(t(4, 2, 8, device=d), t(6, 8, device=d), None, 2, 2.0),
+            r"forward: x must be 2-D \[batch, in_features\], got shape \[4, 2, 8\]",
+        ),
+        "model_forward_mismatched_in_features": (
+            lambda d: ops.model_forward(t(4, 9, device=d), t(6, 8, device=d), None, 2, 2.0),
+            r"forward: weight must be \[pooled_features, in_features\] with in_features = "
+            r"x.size\(1\) = 9, got shape \[3, 8\]",
+        ),
+        "model_forward_x_dtype": (
+            lambda d: ops.model_forward(
+                t(4, 8, dtype=torch.float64, device=d), t(6, 8, device=d), None, 2, 2.0
+            ),
+            r"forward: weight must have the same dtype as x \(Double\), got Float",
+        ),
         # forward_backward
         "forward_backward_argmax_too_large": (
             lambda d: fwb(d, argmax=torch.tensor([0, 3, 1, 0], device=d))(),
@@ -728,3 +767,5 @@ def test_bad_input_errors_also_raise_while_tracing():
             ops.forward(x, weight, None, 2.0)
         with pytest.raises(RuntimeError, match=r"pool_kernel_size must be <= out_features \(3\)"):
             ops.fold(weight, None, 4)
+        with pytest.raises(RuntimeError, match=r"in_features = x.size\(1\) = 32"):
+            ops.model_forward(x, weight, None, 1, 2.0)

@@ -171,6 +171,27 @@ def test_autocast_gradients_equal_those_of_explicit_casts():
 
 
 @pytest.mark.parametrize("device,dtype", AUTOCAST_CASES)
+def test_autocast_model_forward_equals_fold_then_forward_under_autocast(device, dtype, make_inputs):
+    # ModelNew's eager training path under autocast: outputs and gradients bit for bit those of the
+    # ops one by one (float32 fold, then the fused op's autocast cast).
+    x, weight, bias = make_inputs(24, 40, 30, torch.float32, device)
+    grad_out = torch.randn(24, device=device)
+    results = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+        with torch.autocast(device, dtype=dtype):
+            if fused:
+                out = ops.model_forward(*leaves, 3, 2.0)
+            else:
+                out = ops.forward(leaves[0], *ops.fold(leaves[1], leaves[2], 3), 2.0)
+        out.float().backward(grad_out)
+        results.append([out, *(leaf.grad for leaf in leaves)])
+    assert results[0][0].dtype == dtype
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device,dtype", AUTOCAST_CASES)
 def test_fold_is_not_autocast_and_stays_float32_like_avg_pool1d(device, dtype, make_inputs):
     _, weight, bias = make_inputs(1, 40, 30, torch.float32, device)
     expected = ops.fold(weight, bias, 3)

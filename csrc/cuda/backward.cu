@@ -7,8 +7,8 @@
 //   grad_weight[n] = sum over rows b with argmax[b] == n, in increasing b, of dz[b] * x[b, :]
 //   grad_bias[n]   = sum over the same rows of dz[b]
 //
-// Determinism: no atomics. The rows are grouped by arg-max with a stable sort (ATen, on the device,
-// no host sync), segment boundaries come from searchsorted, and each grad_weight element is one
+// Determinism: no float atomics. The rows are grouped by arg-max with a stable counting sort of our
+// own (group_rows_kernel: one block, one launch, no host sync), and each grad_weight element is one
 // thread's sequential sum over its segment in sorted = increasing-b order. Every product dz*x is
 // rounded to float before it is added (no FMA contraction): given the same dz, the result is
 // bit-for-bit the naive left-to-right float loop (dz itself may differ from a CPU's in the last
@@ -17,20 +17,21 @@
 // Arg-max values outside [0, N) can only come from a caller passing garbage, and checking them on
 // the host would need a device-to-host sync. The kernels never read out of bounds instead: such a
 // row gets NaN in grad_x (loud, not silently zero) and contributes nothing to grad_weight and
-// grad_bias (the sort puts it before segment 0 or after segment N-1, outside every segment).
+// grad_bias (the grouping leaves it out of every segment).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/searchsorted.h>
-#include <ATen/ops/sort.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cub/block/block_discontinuity.cuh>
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -75,6 +76,14 @@ static_assert(kSegmentsPerBlock + 1 <= kSegmentThreads, "one thread stages each 
 // kSegmentThreads * 4 B * kSegmentRowsInFlight = 32 KiB (float32); 1 MiB over the 32 blocks of
 // one segment at K = 8192. It costs 32 registers per thread.
 constexpr int kSegmentRowsInFlight = 32;
+
+// Grouping rows by arg-max (group_rows_kernel): one block of kGroupThreads threads sorts tiles of
+// kGroupTileRows rows. 512 x 8: the kernel's shared memory (cub's block radix sort of 4096 32-bit
+// key-value pairs, mostly) is 18.5 KB on sm_90 and 19.5 KB on sm_80 (cuobjdump), within the 48 KB
+// static limit, and 4096 rows cover every batch of the benchmark (B <= 4096) in one tile.
+constexpr int kGroupThreads = 512;
+constexpr int kGroupItemsPerThread = 8;
+constexpr int kGroupTileRows = kGroupThreads * kGroupItemsPerThread;
 
 constexpr const char* kDtypeText = "float32, float16 or bfloat16";
 
@@ -163,11 +172,117 @@ __global__ void __launch_bounds__(kGatherThreads)
   }
 }
 
+// True between two sorted keys that differ: a run of equal arg-maxes ends between them.
+struct KeysDiffer {
+  __device__ bool operator()(uint32_t a, uint32_t b) const { return a != b; }
+};
+
+struct MaxPosition {
+  __device__ int operator()(int a, int b) const { return a > b ? a : b; }
+};
+
+// Groups the rows by arg-max: for every n in [0, pooled), order[segment_starts[n] ..
+// segment_starts[n + 1]) holds the rows b with argmax[b] == n in increasing b (stable); rows whose
+// arg-max is out of [0, pooled) are in no segment (and order holds segment_starts[pooled] rows).
+// One block, three phases:
+//   1. histogram: cursor[n] = the number of rows with arg-max n (integer atomics: a count does not
+//      depend on the order of its increments);
+//   2. exclusive scan of the counts: segment_starts, and cursor[n] = segment_starts[n];
+//   3. tiles of kGroupTileRows consecutive rows, in increasing b: a stable block radix sort of the
+//      tile by arg-max (key `pooled` for rows in no segment, sorted last), then each row goes to
+//      cursor[n] + its rank among the tile's rows with arg-max n, and the last row of each run of n
+//      advances cursor[n]. The cursors carry each segment's next position from tile to tile, so
+//      positions within a segment increase with b; one block keeps that chain in order with
+//      barriers alone. key_bits: the bits of `pooled`.
+__global__ void __launch_bounds__(kGroupThreads)
+    group_rows_kernel(const int64_t* __restrict__ argmax, int64_t argmax_stride, int64_t batch,
+                      int64_t pooled, int key_bits, int64_t* __restrict__ segment_starts,
+                      int64_t* __restrict__ cursor, int64_t* __restrict__ order) {
+  using TileSort = cub::BlockRadixSort<uint32_t, kGroupThreads, kGroupItemsPerThread, uint32_t>;
+  using RunFlags = cub::BlockDiscontinuity<uint32_t, kGroupThreads>;
+  using PositionScan = cub::BlockScan<int, kGroupThreads>;
+  using CountScan = cub::BlockScan<int64_t, kGroupThreads>;
+  __shared__ union {
+    typename TileSort::TempStorage sort;
+    typename RunFlags::TempStorage flags;
+    typename PositionScan::TempStorage positions;
+    typename CountScan::TempStorage counts;
+  } temp;
+  const int first_item = static_cast<int>(threadIdx.x) * kGroupItemsPerThread;
+
+  for (int64_t n = threadIdx.x; n < pooled; n += kGroupThreads) cursor[n] = 0;
+  __syncthreads();
+  for (int64_t b = threadIdx.x; b < batch; b += kGroupThreads) {
+    const int64_t n = argmax[b * argmax_stride];
+    if (n >= 0 && n < pooled) atomicAdd(reinterpret_cast<unsigned long long*>(cursor + n), 1ull);
+  }
+  __syncthreads();
+
+  int64_t rows_before = 0;  // rows in the segments before the current chunk
+  for (int64_t chunk = 0; chunk < pooled; chunk += kGroupTileRows) {
+    int64_t starts[kGroupItemsPerThread];
+#pragma unroll
+    for (int j = 0; j < kGroupItemsPerThread; ++j) {
+      const int64_t n = chunk + first_item + j;
+      starts[j] = n < pooled ? cursor[n] : 0;
+    }
+    int64_t chunk_rows;
+    CountScan(temp.counts).ExclusiveSum(starts, starts, chunk_rows);
+#pragma unroll
+    for (int j = 0; j < kGroupItemsPerThread; ++j) {
+      const int64_t n = chunk + first_item + j;
+      if (n < pooled) {
+        segment_starts[n] = rows_before + starts[j];
+        cursor[n] = rows_before + starts[j];
+      }
+    }
+    rows_before += chunk_rows;
+    __syncthreads();  // temp.counts is reused by the next chunk
+  }
+  if (threadIdx.x == 0) segment_starts[pooled] = rows_before;
+  __syncthreads();  // the cursors are set
+
+  const uint32_t no_segment = static_cast<uint32_t>(pooled);
+  for (int64_t tile = 0; tile < batch; tile += kGroupTileRows) {
+    uint32_t keys[kGroupItemsPerThread];
+    uint32_t rows[kGroupItemsPerThread];  // tile-local row index
+#pragma unroll
+    for (int j = 0; j < kGroupItemsPerThread; ++j) {
+      const int64_t b = tile + first_item + j;
+      const int64_t n = b < batch ? argmax[b * argmax_stride] : -1;
+      keys[j] = n >= 0 && n < pooled ? static_cast<uint32_t>(n) : no_segment;
+      rows[j] = static_cast<uint32_t>(first_item + j);
+    }
+    TileSort(temp.sort).Sort(keys, rows, 0, key_bits);  // blocked: item j of thread t is t*IPT+j
+    __syncthreads();
+    int heads[kGroupItemsPerThread];
+    int tails[kGroupItemsPerThread];
+    RunFlags(temp.flags).FlagHeadsAndTails(heads, tails, keys, KeysDiffer());
+    __syncthreads();
+    int run_start[kGroupItemsPerThread];  // sorted position of the first item of the item's run
+#pragma unroll
+    for (int j = 0; j < kGroupItemsPerThread; ++j) run_start[j] = heads[j] ? first_item + j : 0;
+    PositionScan(temp.positions).InclusiveScan(run_start, run_start, MaxPosition());
+#pragma unroll
+    for (int j = 0; j < kGroupItemsPerThread; ++j) {
+      if (keys[j] != no_segment) {
+        order[cursor[keys[j]] + (first_item + j - run_start[j])] = tile + rows[j];
+      }
+    }
+    __syncthreads();  // every read of a cursor in this tile comes before its update
+#pragma unroll
+    for (int j = 0; j < kGroupItemsPerThread; ++j) {
+      if (tails[j] && keys[j] != no_segment) cursor[keys[j]] += first_item + j - run_start[j] + 1;
+    }
+    __syncthreads();  // the updates come before the next tile's reads; temp is reused
+  }
+}
+
 // Block (group, chunk): grad_weight[n, chunk*kSegmentThreads + t] for thread t and every n of the
 // group's segments first_seg .. first_seg + num_segs - 1, and grad_bias[n] by thread 0 of chunk 0
 // (chunks >= 1 even for in_features == 0, so the bias is always written). Segment n is
 // order[segment_starts[n] .. segment_starts[n+1]): the rows b with argmax[b] == n in increasing b
-// (stable sort). The block walks the sorted positions of its segments in order, accumulating
+// (group_rows_kernel). The block walks the sorted positions of its segments in order, accumulating
 // acc += dz[b] * x[b, col] (each product rounded, no FMA) and storing acc when a segment ends, so
 // empty segments get zeros and grad_weight needs no memset.
 template <typename scalar_t>
@@ -236,7 +351,7 @@ __global__ void __launch_bounds__(kSegmentThreads)
   for (int64_t tile = begin; tile < end; tile += kSegmentThreads) {
     const int rows = static_cast<int>(std::min<int64_t>(end - tile, kSegmentThreads));
     if (static_cast<int>(threadIdx.x) < rows) {
-      const int64_t b = order[tile + threadIdx.x];  // in [0, batch): a permutation index
+      const int64_t b = order[tile + threadIdx.x];  // a row index in [0, batch)
       row_offset[threadIdx.x] = b * x_stride0;
       row_dz_tile[threadIdx.x] = row_dz(dz_in, b);
     }
@@ -309,15 +424,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
   at::Tensor grad_weight = at::empty({pooled, in_features}, weight.options());
   at::Tensor grad_bias = at::empty({pooled}, weight.options());
 
-  // Rows grouped by arg-max, increasing b within a group (stable); out-of-range values sort
-  // before 0 or after pooled - 1. segment_starts[n] = first sorted position with value >= n, so
-  // segment n is [segment_starts[n], segment_starts[n + 1]). Both ops run on the device.
-  const auto [sorted_argmax, order] =
-      at::sort(argmax, /*stable=*/std::optional<bool>(true), /*dim=*/0, /*descending=*/false);
-  const at::Tensor segment_starts =
-      at::searchsorted(sorted_argmax.contiguous(), at::arange(pooled + 1, argmax.options()),
-                       /*out_int32=*/false, /*right=*/false);
-  const at::Tensor order_contiguous = order.contiguous();
+  // Rows grouped by arg-max, increasing b within a group: segment n is order[segment_starts[n] ..
+  // segment_starts[n + 1]). One allocation holds segment_starts [pooled + 1], the cursors [pooled]
+  // and order [batch].
+  TORCH_CHECK(pooled < int64_t{0xffffffff},
+              "fused_pool_gelu.forward_backward: weight must have fewer than 2^32 - 1 rows on cuda, "
+              "got shape ", weight.sizes());
+  const at::Tensor grouping = at::empty({2 * pooled + 1 + batch}, argmax.options());
+  int64_t* segment_starts = grouping.mutable_data_ptr<int64_t>();
+  int64_t* cursor = segment_starts + pooled + 1;
+  int64_t* order = cursor + pooled;
+  int key_bits = 0;  // bits of `pooled`, the largest key
+  while (key_bits < 32 && (pooled >> key_bits) != 0) ++key_bits;
+  group_rows_kernel<<<1, kGroupThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, pooled, key_bits, segment_starts,
+      cursor, order);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward_backward", [&] {
     const DzInputs<scalar_t> dz_in =
@@ -339,7 +461,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
         <<<grid_blocks(groups * chunks, 1), kSegmentThreads, 0,
            c10::cuda::getCurrentCUDAStream()>>>(
             dz_in, x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1),
-            order_contiguous.const_data_ptr<int64_t>(), segment_starts.const_data_ptr<int64_t>(),
+            order, segment_starts,
             grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
             pooled, in_features, chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

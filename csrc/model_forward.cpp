@@ -1,0 +1,106 @@
+// model_forward: the whole block on the unfolded Linear parameters, forward(x, *fold(weight, bias,
+// k), scale), with ONE C++ autograd node for ModelNew's training path.
+//
+// Through the separate ops each training step crosses into Python four times (the autograd
+// formulas of fold and forward_with_argmax, registered in ops.py, run once forward and once
+// backward) and records two graph nodes. Here the forward calls fold and forward_with_argmax below
+// autograd and saves what the arg-max backward needs; the backward calls forward_backward then
+// fold_backward. Same kernels, same arguments, so the same bits as the separate ops.
+//
+// Inputs are validated by the ops it calls, so errors name them (fold: for weight, bias and
+// pool_kernel_size; forward: for x), as they do when ModelNew calls the ops one by one.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "op_calls.h"
+
+namespace fused_pool_gelu {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Below autograd (inference mode, or called from a kernel that already handles autograd).
+at::Tensor model_forward_kernel(const at::Tensor& x, const at::Tensor& weight,
+                                const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
+                                double scale) {
+  const auto [pooled_weight, pooled_bias] = call_fold(weight, bias, pool_kernel_size);
+  return std::get<0>(call_forward_with_argmax(x, pooled_weight, pooled_bias, scale));
+}
+
+struct ModelForward : public torch::autograd::Function<ModelForward> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
+                            double scale) {
+    // Straight to the device kernels: through the autograd keys, fold and forward_with_argmax
+    // would each enter their Python autograd formula even with grad mode off.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto [pooled_weight, pooled_bias] = call_fold(weight, bias, pool_kernel_size);
+    auto [out, argmax, preactivation] =
+        call_forward_with_argmax(x, pooled_weight, pooled_bias, scale);
+    ctx->save_for_backward({x, pooled_weight, argmax, preactivation});
+    ctx->saved_data["out_features"] = weight.size(0);
+    ctx->saved_data["pool_kernel_size"] = pool_kernel_size;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return out;
+  }
+
+  // Gradient edges are numbered over the tensor inputs: x, weight, then bias when given.
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& pooled_weight = saved[1];
+    const at::Tensor& argmax = saved[2];
+    const at::Tensor& preactivation = saved[3];
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const bool needs_x = ctx->needs_input_grad(0);
+    const bool needs_weight = ctx->needs_input_grad(1);
+    const bool needs_bias = has_bias && ctx->needs_input_grad(2);
+
+    // With create_graph (grad mode on here) the ops go through their autograd formulas, so that
+    // gradients of these gradients work through fold_backward and raise forward_backward's clear
+    // error; otherwise straight to the device kernels.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    // The separate ops pass forward_with_argmax's backward a zero gradient for the unused
+    // preactivation output (autograd materializes it), and dz + 0 turns a dz of -0.0 into +0.0:
+    // the same zeros here keep every bit of grad_x equal to theirs.
+    const at::Tensor grad_preactivation = at::zeros_like(preactivation);
+    auto [grad_x, grad_pooled_weight, grad_pooled_bias] =
+        call_forward_backward(grad_outputs[0], grad_preactivation, x, pooled_weight, argmax,
+                              preactivation, ctx->saved_data["scale"].toDouble());
+    at::Tensor grad_weight, grad_bias;
+    if (needs_weight || needs_bias) {
+      std::tie(grad_weight, grad_bias) = call_fold_backward(
+          grad_pooled_weight, grad_pooled_bias, ctx->saved_data["out_features"].toInt(),
+          ctx->saved_data["pool_kernel_size"].toInt());
+    }
+    return {needs_x ? grad_x : at::Tensor(), needs_weight ? grad_weight : at::Tensor(),
+            needs_bias ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                  const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
+                                  double scale) {
+  return ModelForward::apply(x, weight, bias, pool_kernel_size, scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
+  m.impl("model_forward", &model_forward_kernel);
+}
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
+  m.impl("model_forward", &model_forward_autograd);
+}
+
+}  // namespace fused_pool_gelu
