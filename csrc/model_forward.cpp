@@ -11,7 +11,6 @@
 // pool_kernel_size; forward: for x), as they do when ModelNew calls the ops one by one.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -69,12 +68,11 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
     // error; otherwise straight to the device kernels.
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    // The separate ops pass forward_with_argmax's backward a zero gradient for the unused
-    // preactivation output (autograd materializes it), and dz + 0 turns a dz of -0.0 into +0.0:
-    // the same zeros here keep every bit of grad_x equal to theirs.
-    const at::Tensor grad_preactivation = at::zeros_like(preactivation);
+    // No gradient for the preactivation output: the separate ops' autograd passes zeros there,
+    // which costs an allocation and a fill per step for nothing but the sign of a zero grad_x
+    // (dz = -0.0 + 0 = +0.0 at scale 0).
     auto [grad_x, grad_pooled_weight, grad_pooled_bias] =
-        call_forward_backward(grad_outputs[0], grad_preactivation, x, pooled_weight, argmax,
+        call_forward_backward(grad_outputs[0], c10::nullopt, x, pooled_weight, argmax,
                               preactivation, ctx->saved_data["scale"].toDouble());
     at::Tensor grad_weight, grad_bias;
     if (needs_weight || needs_bias) {
