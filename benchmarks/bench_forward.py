@@ -9,6 +9,8 @@ Impls (weights from torch.manual_seed(seed); Model(K, O, k, s), the same for all
   ref_compile   torch.compile(Model)
   fold_eager    F.linear on pre-folded pooled weights + gelu * s + max (PyTorch ops)
   fold_compile  torch.compile of that function
+  fold_tail     cuBLAS addmm on the pooled weights + one Triton kernel for gelu * s + row max
+                (BASELINE.md's "fold + tiny CUDA tail kernel" peer; CUDA only)
   ours_op       torch.ops.fused_pool_gelu.forward on pre-folded weights (fused_pool_gelu.fold)
   ours_model    fused_pool_gelu.ModelNew (eager; the fold is cached under no_grad)
 Each row: median time (us), rel err and max abs err vs a float64 Model run of the same weights,
@@ -25,7 +27,9 @@ import torch
 
 import common
 
-RUN_ORDER = ["ref_eager", "fold_eager", "ours_op", "ours_model", "fold_compile", "ref_compile"]
+RUN_ORDER = [
+    "ref_eager", "fold_eager", "fold_tail", "ours_op", "ours_model", "fold_compile", "ref_compile"
+]
 IMPLS = [i for i in common.IMPL_ORDER if i in RUN_ORDER]
 
 
@@ -57,6 +61,42 @@ def build_fold_compile(ctx):
     return lambda x: fn(x, pooled_weight, pooled_bias)
 
 
+def _triton_tail_kernel():
+    """gelu(z) * scale and its row max in one Triton kernel: one program per row (N = 512 here)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tail(z_ptr, out_ptr, n, stride, scale, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, n, BLOCK):
+            mask = start + cols < n
+            z = tl.load(z_ptr + row * stride + start + cols, mask=mask, other=0.0)
+            v = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476)) * scale
+            best = tl.maximum(best, tl.where(mask, v, float("-inf")))
+        tl.store(out_ptr + row, tl.max(best, axis=0))
+
+    return tail
+
+
+def build_fold_tail(ctx):
+    if ctx.device.type != "cuda" or ctx.dtype != torch.float32:
+        raise RuntimeError("fold_tail is a float32 CUDA peer")
+    pooled_weight, pooled_bias = _pooled_torch(ctx)
+    tail, scale = _triton_tail_kernel(), float(ctx.scale)
+    block = 512
+
+    def fn(x):
+        z = torch.addmm(pooled_bias, x, pooled_weight.t())
+        out = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+        tail[(x.shape[0],)](z, out, z.shape[1], z.stride(0), scale, BLOCK=block)
+        return out
+
+    return fn
+
+
 def build_ours_op(ctx):
     import fused_pool_gelu
 
@@ -77,6 +117,7 @@ BUILDERS = {
     "ref_compile": build_ref_compile,
     "fold_eager": build_fold_eager,
     "fold_compile": build_fold_compile,
+    "fold_tail": build_fold_tail,
     "ours_op": build_ours_op,
     "ours_model": build_ours_model,
 }

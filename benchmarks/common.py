@@ -39,8 +39,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 
 # Display order (table columns, plot legend).
-IMPL_ORDER = ["ref_eager", "ref_compile", "fold_eager", "fold_compile", "ours_op", "ours_model"]
-PEERS = ("ref_eager", "ref_compile", "fold_eager", "fold_compile")
+IMPL_ORDER = [
+    "ref_eager", "ref_compile", "fold_eager", "fold_compile", "fold_tail", "ours_op", "ours_model"
+]
+PEERS = ("ref_eager", "ref_compile", "fold_eager", "fold_compile", "fold_tail")
 OURS = ("ours_op", "ours_model")
 COMPILED = ("ref_compile", "fold_compile")
 MODES = ("forward", "train")

@@ -19,7 +19,8 @@ note() { summary+=("$1"); echo "== $1"; }
 run_stage() {
   local name=$1 dir=$2; shift 2
   local start=$SECONDS
-  (cd "$dir" && "$@") > "$OUT/$name.log" 2>&1
+  # A hung kernel must not eat the session's device time: every stage has a time limit.
+  (cd "$dir" && timeout --kill-after=10 "${STAGE_TIMEOUT_S:-300}" "$@") > "$OUT/$name.log" 2>&1
   local rc=$?
   note "$name rc=$rc $((SECONDS - start))s"
   tail -n 25 "$OUT/$name.log"

@@ -2,7 +2,11 @@
 
 Shapes are small (the tools slow kernels down 10-100x) but odd, so that every tail path, the
 small-batch and the tensor-core forward paths, the misaligned slow path and the backward all run.
+Both tensor-core GEMMs run: the default one (wgmma on an sm_90a build on Hopper) and the portable
+mma.sync one (FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
 """
+
+import os
 
 import torch
 
@@ -16,7 +20,8 @@ cases = [  # (batch, in_features, out_features, pool_kernel_size)
     (300, 520, 1030, 4),   # tensor-core path with M, N, K tails
     (1024, 256, 512, 16),  # tensor-core path, full tiles
 ]
-for batch, k_in, o, k in cases:
+for force_mma_sync, (batch, k_in, o, k) in [(f, c) for f in ("0", "1") for c in cases]:
+    os.environ["FUSED_POOL_GELU_FORCE_MMA_SYNC"] = force_mma_sync
     model = fpg.ModelNew(k_in, o, k, 2.0).to(device)
     x = torch.rand(batch, k_in, device=device, requires_grad=True)
     out = model(x)

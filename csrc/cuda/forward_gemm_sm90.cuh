@@ -73,7 +73,10 @@ constexpr int kWgConsumerRegisters = 208;
 // 4 stages of {weight big 16 KB, weight small 16 KB, x 18 KB} = 200 KB (+1 KB to align).
 constexpr int kWgStages = 4;
 // Tiles the producer keeps loading while it splits the oldest: its cp.async groups in flight.
-// At most kWgStages - 1, so that the stage it waits to refill was released to the consumers.
+// At most kWgStages - 2: a consumer waits for tile kt + 1 (its next fragments) before it releases
+// tile kt, and the producer releases tile kt + 1 only after refilling the stage of tile
+// kt + 1 + lookahead - kWgStages, which must therefore be kt - 1 or older (kWgStages - 1 hung on
+// the H200, as this predicts).
 constexpr int kWgLookahead = 2;
 constexpr int kWgMmaK = 8;
 constexpr int kWgKSteps = kWgBlockK / kWgMmaK;  // 4
@@ -103,7 +106,7 @@ static_assert(kWgProducerThreads * kWgProducerRegisters +
 static_assert(kWgBlockM == kWgBlockN, "the producer walks x and weight tiles with the same rows");
 static_assert(kWgBlockK * 4 == 128, "one 128-byte swizzle row per tile row");
 static_assert(kWgWeightTileBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
-static_assert(kWgLookahead >= 1 && kWgLookahead < kWgStages, "producer look-ahead");
+static_assert(kWgLookahead >= 1 && kWgLookahead <= kWgStages - 2, "producer look-ahead");
 
 #if FPG_WGMMA_DEVICE_CODE
 
