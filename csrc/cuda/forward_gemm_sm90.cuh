@@ -339,6 +339,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     wgmma_commit();
     if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
     wgmma_wait_all();
+    // mbarrier.arrive releases only the arriving thread's own earlier accesses: the warp barrier
+    // orders the other lanes' ldmatrix reads of this stage before lane 0's arrive (without it,
+    // compute-sanitizer racecheck reports those reads racing with the producer's next cp.async).
+    __syncwarp();
     if (lane == 0) mbarrier_arrive(empty_barrier + 8 * stage);
 #pragma unroll
     for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
