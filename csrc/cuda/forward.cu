@@ -73,8 +73,15 @@ constexpr int64_t kTcMaxSplitWaves = 4;
 // (8192 rows = 8192 warps = 64 per SM on 132 SMs).
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
-// Split partials loaded before they are added (in split order): memory-level parallelism per thread.
+// Split partials loaded before they are added (in split order): memory-level parallelism per
+// thread. After partial[0], full batches of kEpilogueSplitBatch loads, then one load at a time. The
+// SIMT GEMV usually makes 16 splits (one wave of CTAs at N = 512): with 16 or more splits the batch
+// is kEpilogueManySplitBatch = 15, so that those 16 cost one round trip to L2 instead of three.
+// Larger batches cost registers: a 16-load batch at 4 splits took 128 registers and slowed
+// B = 1024 from 7.3 to 11.9 us on the H200. (Measured with this rule and the dependent launch:
+// B = 1 17.8 -> 16.4 us, but B = 128, 32 splits, 26.9 -> 31.3 us: see benchmarks/NOTES.md.)
 constexpr int kEpilogueSplitBatch = 8;
+constexpr int kEpilogueManySplitBatch = 15;
 
 // Largest supported K (padded to a multiple of 4): offsets inside a row, plus two chunks of
 // look-ahead, must fit an int in the GEMV kernel.
@@ -131,26 +138,38 @@ __device__ __forceinline__ Candidate warp_argmax(Candidate c) {
   return c;
 }
 
-// z = partial[0][col] + partial[1][col] + ... (split order), loads issued kEpilogueSplitBatch at a time.
+// z = partial[0][col] + partial[1][col] + ... (split order), loads issued kBatch at a time.
+template <int kBatch>
 __device__ __forceinline__ float sum_splits(const float* p, int64_t stride, int splits) {
   if (splits == 0) return 0.f;
   float z = __ldg(p);
   int s = 1;
-  for (; s + kEpilogueSplitBatch <= splits; s += kEpilogueSplitBatch) {
-    float v[kEpilogueSplitBatch];
+  for (; s + kBatch <= splits; s += kBatch) {
+    float v[kBatch];
 #pragma unroll
-    for (int i = 0; i < kEpilogueSplitBatch; ++i) v[i] = __ldg(p + (s + i) * stride);
+    for (int i = 0; i < kBatch; ++i) v[i] = __ldg(p + (s + i) * stride);
 #pragma unroll
-    for (int i = 0; i < kEpilogueSplitBatch; ++i) z += v[i];
+    for (int i = 0; i < kBatch; ++i) z += v[i];
   }
   for (; s < splits; ++s) z += __ldg(p + s * stride);
   return z;
 }
 
-template <int kThreadsPerRow, typename out_t>
+// Programmatic dependent launch (sm_90+): the GEMM lets the epilogue launch as soon as all its CTAs
+// are running, and the epilogue waits here until the GEMM has completed and its partial sums are
+// visible. The epilogue's launch then overlaps the GEMM instead of following it. Elsewhere both
+// are no-ops (the host launches without the attribute there).
+__device__ __forceinline__ void wait_for_gemm() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+template <int kThreadsPerRow, int kSplitBatch, typename out_t>
 __global__ void __launch_bounds__(kEpilogueThreads)
     argmax_epilogue_kernel(const EpilogueParams p, out_t* __restrict__ out,
                            int64_t* __restrict__ argmax, out_t* __restrict__ preactivation) {
+  wait_for_gemm();
   static_assert(kThreadsPerRow == 32 || kThreadsPerRow == kEpilogueThreads, "warp or CTA per row");
   constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
   constexpr int kWarps = kEpilogueThreads / 32;
@@ -164,7 +183,7 @@ __global__ void __launch_bounds__(kEpilogueThreads)
     const float* row_partial = p.partial + row * p.n;
 #pragma unroll 2
     for (int64_t col = col0; col < p.n; col += kThreadsPerRow) {
-      float z = sum_splits(row_partial + col, p.split_stride, p.splits);
+      float z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
       if (p.bias != nullptr) z += __ldg(p.bias + col);
       // torch's order: gelu(z) first, then the product with scale. A non-finite pre-activation
       // gives NaN, as in the CPU kernel (README "Non-finite values").
@@ -241,6 +260,8 @@ struct DeviceInfo {
   // 0 when the 3xTF32 kernel does not fit (e.g. sm_86 / sm_89 give 99 KB of shared memory per
   // block): every batch size then takes the SIMT kernel.
   int tc_ctas_per_sm = 0;
+  // Programmatic dependent launch of the epilogue after the GEMM (compute capability 9.0+).
+  bool dependent_launch = false;
   // 0 unless the wgmma kernel can run here: a compute capability 9.0 device, a build holding
   // sm_90a code (FPG_WITH_SM90A) and that code being what the driver picked for this device.
   int wgmma_ctas_per_sm = 0;
@@ -290,6 +311,7 @@ const DeviceInfo& device_info(int device) {
     int major = 0, minor = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    info->dependent_launch = major >= 9;
     if (FPG_WITH_SM90A && major == 9 && minor == 0 && fg::kWgSmemBytes <= max_smem_optin) {
       cudaFuncAttributes attributes{};
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
@@ -470,21 +492,36 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
 
 template <typename out_t>
 void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argmax,
-                     at::Tensor& preactivation, cudaStream_t stream) {
-  auto launch = [&](auto threads_per_row) {
+                     at::Tensor& preactivation, bool dependent_launch, cudaStream_t stream) {
+  auto launch = [&](auto threads_per_row, auto split_batch) {
     constexpr int kThreadsPerRow = decltype(threads_per_row)::value;
     constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
     const int64_t blocks = ceil_div(p.batch, int64_t{kRowsPerCta});
     TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu.forward: batch too large (", p.batch, ")");
-    argmax_epilogue_kernel<kThreadsPerRow, out_t>
-        <<<static_cast<unsigned>(blocks), kEpilogueThreads, 0, stream>>>(
-            p, out.data_ptr<out_t>(), argmax.data_ptr<int64_t>(), preactivation.data_ptr<out_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(blocks));
+    config.blockDim = dim3(kEpilogueThreads);
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = dependent_launch ? 1 : 0;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(
+        &config, argmax_epilogue_kernel<kThreadsPerRow, decltype(split_batch)::value, out_t>, p,
+        out.data_ptr<out_t>(), argmax.data_ptr<int64_t>(), preactivation.data_ptr<out_t>()));
+  };
+  auto with_batch = [&](auto threads_per_row) {
+    if (p.splits > kEpilogueManySplitBatch) {
+      launch(threads_per_row, std::integral_constant<int, kEpilogueManySplitBatch>{});
+    } else {
+      launch(threads_per_row, std::integral_constant<int, kEpilogueSplitBatch>{});
+    }
   };
   if (p.batch >= kEpilogueWarpPerRowMinBatch) {
-    launch(std::integral_constant<int, 32>{});
+    with_batch(std::integral_constant<int, 32>{});
   } else {
-    launch(std::integral_constant<int, kEpilogueThreads>{});
+    with_batch(std::integral_constant<int, kEpilogueThreads>{});
   }
 }
 
@@ -534,6 +571,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     }
   }
 
+  // The epilogue follows the GEMM as its programmatic dependent where the device supports it.
+  const bool pdl = info.dependent_launch && splits > 0;
   EpilogueParams p{};
   p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
   p.split_stride = batch * n;
@@ -543,9 +582,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   p.batch = batch;
   p.n = n;
   switch (x.scalar_type()) {
-    case at::kFloat: launch_epilogue<float>(p, out, argmax, preactivation, stream); break;
-    case at::kHalf: launch_epilogue<at::Half>(p, out, argmax, preactivation, stream); break;
-    case at::kBFloat16: launch_epilogue<at::BFloat16>(p, out, argmax, preactivation, stream); break;
+    case at::kFloat: launch_epilogue<float>(p, out, argmax, preactivation, pdl, stream); break;
+    case at::kHalf: launch_epilogue<at::Half>(p, out, argmax, preactivation, pdl, stream); break;
+    case at::kBFloat16:
+      launch_epilogue<at::BFloat16>(p, out, argmax, preactivation, pdl, stream);
+      break;
     default: TORCH_CHECK(false, "fused_pool_gelu.forward: unreachable dtype ", x.scalar_type());
   }
   return {out, argmax, preactivation};

@@ -72,6 +72,15 @@ __device__ __forceinline__ void mma_tf32_16x8x8(float (&d)[4], const uint32_t (&
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Programmatic dependent launch (sm_90+): once every CTA of this grid has executed this, the next
+// kernel on the stream (the epilogue, launched with the attribute) may start; it waits for this
+// grid's completion and memory itself (griddepcontrol.wait in forward.cu). Elsewhere a no-op.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Special registers read with volatile asm, so that the compiler re-reads them instead of keeping
 // an earlier copy live through a long loop (used after the SIMT K loop, where sm_80 ptxas would
 // otherwise spill a few index registers around the loop).
@@ -210,6 +219,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const SimtPar
   static_assert(kBatchTile >= 1 && kBatchTile <= kSimtMaxBatchTile, "batch tile");
   static_assert(kSimtWarps * kBatchTile * kSimtRowsPerCta <= kBatchTile * kSimtChunkK,
                 "the cross-warp sums must fit in the x buffer they reuse");
+  allow_dependent_launch();
   constexpr int kChunkF4 = kSimtChunkK / 4;          // float4 per staged x row
   constexpr int kBufferF4 = kBatchTile * kChunkF4;   // float4 per x buffer
   constexpr int kStageIters = ceil_div(kBufferF4, kSimtThreads);
@@ -391,6 +401,7 @@ struct TcParams {
 
 __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const TcParams p) {
   extern __shared__ __align__(16) float smem[];  // kTcStages x {A [128][36], B [128][36]}
+  allow_dependent_launch();
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;

@@ -12,8 +12,8 @@
 //     the 3xTF32 split of each landed weight tile (below), then the stage's release;
 //   warpgroups 1 and 2, the consumers: consumer c owns x rows [64 c, 64 c + 64) and all 128 weight
 //     rows, one m64n128k8 wgmma per K step of 8.
-// Stages are handed over with mbarriers (full: the 128 producer threads arrive; empty: the 8
-// consumer warps arrive), so the two consumer warpgroups never wait for each other and the
+// Stages are handed over with mbarriers (full: the 128 producer threads arrive; empty: the 256
+// consumer threads arrive), so the two consumer warpgroups never wait for each other and the
 // producer's loads and splits overlap their tensor-core work. The consumers need ~200 registers
 // (two 64-float accumulators, two sets of A fragments): setmaxnreg moves registers from the
 // producer (kWgProducerRegisters) to the consumers (kWgConsumerRegisters).
@@ -197,6 +197,7 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[kWgAccum], const
 
 __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(const TcParams p) {
 #if FPG_WGMMA_DEVICE_CODE
+  allow_dependent_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t smem_base =
       (shared_address(smem_raw) + (kWgSwizzleAlign - 1)) & ~uint32_t{kWgSwizzleAlign - 1};
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
   if (tid == 0) {
     for (int s = 0; s < kWgStages; ++s) {
       mbarrier_init(full_barrier + 8 * s, kWgProducerThreads);
-      mbarrier_init(empty_barrier + 8 * s, kWgConsumerWarps);  // one lane per consumer warp
+      mbarrier_init(empty_barrier + 8 * s, 32 * kWgConsumerWarps);
     }
   }
   __syncthreads();
@@ -339,11 +340,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     wgmma_commit();
     if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
     wgmma_wait_all();
-    // mbarrier.arrive releases only the arriving thread's own earlier accesses: the warp barrier
-    // orders the other lanes' ldmatrix reads of this stage before lane 0's arrive (without it,
-    // compute-sanitizer racecheck reports those reads racing with the producer's next cp.async).
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(empty_barrier + 8 * stage);
+    // Every consumer thread arrives: mbarrier.arrive releases only the arriving thread's own
+    // earlier accesses (here its ldmatrix reads of the stage's x tile).
+    mbarrier_arrive(empty_barrier + 8 * stage);
 #pragma unroll
     for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
   };
