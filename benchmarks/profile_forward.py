@@ -6,7 +6,9 @@
 For each batch size and each tensor-core GEMM path ("default": what the op picks on this GPU, wgmma
 on an sm_90a build on Hopper; "mma_sync": the portable kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1),
 prints the mean device time of every kernel the op launches and their sum. The difference between
-that sum and bench_forward.py's median is launch gaps and timer overhead. Shape: K = 8192, N = 512
+that sum and bench_forward.py's median is launch gaps and timer overhead. On sm_90+ the epilogue is a
+programmatic dependent launch: it starts while the GEMM runs and waits for it, so its device time
+includes that wait and the sum double-counts the overlap; the GEMM's own time stays exact. Shape: K = 8192, N = 512
 (the pooled default shape), weights ~ N(0, 0.01^2), x ~ U(0, 1).
 """
 
