@@ -205,3 +205,24 @@ def _check_forward(out, argmax, preactivation, x, weight, bias, scale, tol=None)
 @pytest.fixture
 def check_forward():
     return _check_forward
+
+
+def _capture_graph(fn):
+    """Warm fn up on a side stream, then capture it into a CUDA graph: (graph, fn's outputs, not
+    computed until the first replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+@pytest.fixture
+def capture_graph():
+    return _capture_graph
+

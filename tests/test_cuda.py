@@ -364,25 +364,11 @@ def test_float64_is_rejected_on_cuda_with_the_supported_dtypes():
 # Graphs, streams, determinism
 
 
-def _capture(fn):
-    """Warm fn up on a side stream, then capture it into a CUDA graph; returns (graph, outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
-
-
 @pytest.mark.parametrize("batch", [8, 1024])
-def test_cuda_graph_replay_of_the_op_equals_eager(batch, make_inputs):
+def test_cuda_graph_replay_of_the_op_equals_eager(batch, make_inputs, capture_graph):
     x, weight, bias = make_inputs(batch, 2048, 128, torch.float32, DEVICE)
     static_x = x.clone()
-    graph, static_out = _capture(lambda: ops.forward_with_argmax(static_x, weight, bias, 2.0))
+    graph, static_out = capture_graph(lambda: ops.forward_with_argmax(static_x, weight, bias, 2.0))
     for _ in range(3):
         fresh = torch.randn_like(x)
         static_x.copy_(fresh)
@@ -393,11 +379,11 @@ def test_cuda_graph_replay_of_the_op_equals_eager(batch, make_inputs):
 
 
 @pytest.mark.parametrize("batch", [8, 1024])
-def test_cuda_graph_replay_of_model_new_under_no_grad_equals_eager(batch):
+def test_cuda_graph_replay_of_model_new_under_no_grad_equals_eager(batch, capture_graph):
     _, new = _models(2048, 2048, 16, 2.0, seed=5)
     static_x = torch.rand(batch, 2048, device=DEVICE)
     with torch.no_grad():
-        graph, static_out = _capture(lambda: new(static_x))
+        graph, static_out = capture_graph(lambda: new(static_x))
         for _ in range(3):
             fresh = torch.rand_like(static_x)
             static_x.copy_(fresh)
@@ -405,7 +391,7 @@ def test_cuda_graph_replay_of_model_new_under_no_grad_equals_eager(batch):
             assert torch.equal(static_out, new(fresh))
 
 
-def test_cuda_graph_capture_of_a_training_step_equals_eager(make_inputs):
+def test_cuda_graph_capture_of_a_training_step_equals_eager(make_inputs, capture_graph):
     x, weight, bias = make_inputs(512, 1024, 256, torch.float32, DEVICE)
     weight, bias = weight.requires_grad_(True), bias.requires_grad_(True)
     static_x = x.clone()
@@ -416,7 +402,7 @@ def test_cuda_graph_capture_of_a_training_step_equals_eager(make_inputs):
         out = ops.forward(static_x, pooled_weight, pooled_bias, 2.0)
         return torch.autograd.grad(out, (weight, bias), grad_out)
 
-    graph, static_grads = _capture(step)
+    graph, static_grads = capture_graph(step)
     fresh = torch.randn_like(x)
     static_x.copy_(fresh)
     graph.replay()

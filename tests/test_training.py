@@ -337,21 +337,6 @@ def test_cuda_graph_replays_of_a_training_step_equal_eager_steps(optimizer_name,
         torch.testing.assert_close(graphed, eager, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def _capture(fn):
-    """Warm fn up on a side stream, then capture it: (graph, fn's outputs, not computed until the
-    first replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
-
-
 def _fold_and_forward(model, x):
     """ModelNew's forward written with the ops: the fold runs on every call, no cache."""
     pooled_weight, pooled_bias = ops.fold(model.matmul.weight, model.matmul.bias,
@@ -367,12 +352,12 @@ def _sgd_like_update(model):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_of_fold_and_forward_under_no_grad_follows_parameter_updates():
+def test_cuda_graph_of_fold_and_forward_under_no_grad_follows_parameter_updates(capture_graph):
     # Evaluation between training steps: capture the ops, fold included, not ModelNew's cache.
     model = ModelNew(*GRAPH_ARGS).cuda()
     static_x = torch.rand(GRAPH_BATCH, GRAPH_ARGS[0]).cuda()
     with torch.no_grad():
-        graph, static_out = _capture(lambda: _fold_and_forward(model, static_x))
+        graph, static_out = capture_graph(lambda: _fold_and_forward(model, static_x))
         for _ in range(2):
             _sgd_like_update(model)
             graph.replay()
@@ -380,13 +365,13 @@ def test_cuda_graph_of_fold_and_forward_under_no_grad_follows_parameter_updates(
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replays_of_a_no_grad_model_new_forward_follow_parameter_updates():
+def test_cuda_graph_replays_of_a_no_grad_model_new_forward_follow_parameter_updates(capture_graph):
     # While a stream is capturing, ModelNew folds inside the graph instead of using its cache
     # (Python state that replays would not run), so each replay refolds the current parameters.
     model = ModelNew(*GRAPH_ARGS).cuda()
     static_x = torch.rand(GRAPH_BATCH, GRAPH_ARGS[0]).cuda()
     with torch.no_grad():
-        graph, static_out = _capture(lambda: model(static_x))
+        graph, static_out = capture_graph(lambda: model(static_x))
         graph.replay()
         before_update = static_out.clone()
         _sgd_like_update(model)

@@ -426,6 +426,25 @@ TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padde
   return plan;
 }
 
+// The GEMM launch over x rows [row0, row0 + rows_per_launch) (clipped to the batch): grid limits
+// split very large batches into several launches writing the same workspace.
+fg::GemmParams gemm_params(const Operand& x, const Operand& w, float* partial, int64_t batch,
+                           int64_t n, int64_t k_padded, int64_t k_per_split, int64_t row0,
+                           int64_t rows_per_launch) {
+  fg::GemmParams p{};
+  p.x = x.data + row0 * x.ld;
+  p.ldx = x.ld;
+  p.w = w.data;
+  p.ldw = w.ld;
+  p.partial = partial + row0 * n;
+  p.split_stride = batch * n;
+  p.rows = std::min(rows_per_launch, batch - row0);
+  p.n = n;
+  p.k = k_padded;
+  p.k_per_split = k_per_split;
+  return p;
+}
+
 void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float* partial,
                  int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
   const int64_t n_tiles = ceil_div(n, int64_t{fg::kSimtRowsPerCta});
@@ -436,19 +455,10 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
   dispatch_simt_batch_tile(plan.tile_index, [&](auto tile) {
     constexpr int kTile = decltype(tile)::value;
     for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
-      fg::SimtParams p{};
-      p.x = x.data + row0 * x.ld;
-      p.ldx = x.ld;
-      p.w = w.data;
-      p.ldw = w.ld;
-      p.partial = partial + row0 * n;
-      p.split_stride = batch * n;
-      p.batch = std::min(rows_per_launch, batch - row0);
-      p.n = n;
-      p.k = k_padded;
-      p.k_per_split = plan.k_per_split;
+      const fg::GemmParams p = gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split,
+                                           row0, rows_per_launch);
       const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(plan.splits),
-                      static_cast<unsigned>(ceil_div(p.batch, int64_t{kTile})));
+                      static_cast<unsigned>(ceil_div(p.rows, int64_t{kTile})));
       fg::simt_splitk_kernel<kTile>
           <<<grid, fg::kSimtThreads, fg::simt_smem_bytes<kTile>(), stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -465,21 +475,12 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
   // Row tiles go on grid y (at most 65535): larger batches are launched in slices of rows.
   const int64_t rows_per_launch = kMaxGridYZ * fg::kTcBlockM;
   for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
-    fg::TcParams p{};
-    p.x = x.data + row0 * x.ld;
-    p.ldx = x.ld;
-    p.w = w.data;
-    p.ldw = w.ld;
-    p.partial = partial + row0 * n;
-    p.split_stride = batch * n;
-    p.m = std::min(rows_per_launch, batch - row0);
-    p.n = n;
-    p.k = k_padded;
-    p.k_per_split = plan.k_per_split;
+    const fg::GemmParams p = gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split,
+                                         row0, rows_per_launch);
     // n tiles fastest: the CTAs running together share x row tiles, and the weight (N x K, the
     // smaller operand at large B) stays in L2 while the batch is swept.
     const dim3 grid(static_cast<unsigned>(n_tiles),
-                    static_cast<unsigned>(ceil_div(p.m, int64_t{fg::kTcBlockM})),
+                    static_cast<unsigned>(ceil_div(p.rows, int64_t{fg::kTcBlockM})),
                     static_cast<unsigned>(plan.splits));
     if (plan.wgmma) {
       fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);

@@ -112,6 +112,20 @@ __device__ __forceinline__ void split_tf32(uint32_t v, uint32_t& big, uint32_t& 
   small = __float_as_uint(__uint_as_float(v) - __uint_as_float(big)) & kTf32Mask;
 }
 
+// What every split-K GEMM kernel of the forward gets (one launch covers `rows` rows of x).
+struct GemmParams {
+  const float* x;         // [rows, k], row stride ldx
+  int64_t ldx;
+  const float* w;         // [n, k], row stride ldw
+  int64_t ldw;
+  float* partial;         // partial[s * split_stride + row * n + col]
+  int64_t split_stride;
+  int64_t rows;           // rows of x in this launch
+  int64_t n;
+  int64_t k;              // padded K (multiple of 4; the GEMV also needs < 2^31 - 2 kSimtChunkK)
+  int64_t k_per_split;    // a multiple of the kernel's K step (kSimtChunkK, kTcBlockK)
+};
+
 // ------------------------------------------------------------------------------------------------
 // Small batch: SIMT split-K GEMV.
 //
@@ -143,18 +157,6 @@ constexpr int kSimtXBuffers = 2;                                 // x chunk doub
 // Batch rows per CTA (register arrays): the host picks the smallest power of two >= B, up to this.
 constexpr int kSimtMaxBatchTile = 32;
 
-struct SimtParams {
-  const float* x;         // [batch, k], row stride ldx
-  int64_t ldx;
-  const float* w;         // [n, k], row stride ldw
-  int64_t ldw;
-  float* partial;         // partial[s * split_stride + b * n + col]
-  int64_t split_stride;
-  int64_t batch;          // rows of x in this launch
-  int64_t n;
-  int64_t k;              // padded K (multiple of 4, < 2^31 - 2 kSimtChunkK: offsets in a row fit int)
-  int64_t k_per_split;    // multiple of kSimtChunkK
-};
 
 template <int kBatchTile>
 constexpr int simt_smem_bytes() {
@@ -166,7 +168,7 @@ constexpr int simt_smem_bytes() {
 // indices are re-read here rather than kept live through the K loop.
 template <int kBatchTile>
 __device__ __forceinline__ void write_simt_partials(
-    const SimtParams& p, float (&acc)[kSimtRowsPerLane][kBatchTile], float4* smem_f4) {
+    const GemmParams& p, float (&acc)[kSimtRowsPerLane][kBatchTile], float4* smem_f4) {
   const int tid = fresh_thread_x();
   const dim3 block = fresh_block_idx();
   const int warp = tid / 32;
@@ -210,12 +212,12 @@ __device__ __forceinline__ void write_simt_partials(
     for (int w = 1; w < kSimtWarps; ++w) sum += red[(w * kBatchTile + bb) * kSimtRowsPerCta + row];
     const int64_t b = b0 + bb;
     const int64_t n = n0 + row;
-    if (b < p.batch && n < p.n) p.partial[split * p.split_stride + b * p.n + n] = sum;
+    if (b < p.rows && n < p.n) p.partial[split * p.split_stride + b * p.n + n] = sum;
   }
 }
 
 template <int kBatchTile>
-__global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const SimtParams p) {
+__global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const GemmParams p) {
   static_assert(kBatchTile >= 1 && kBatchTile <= kSimtMaxBatchTile, "batch tile");
   static_assert(kSimtWarps * kBatchTile * kSimtRowsPerCta <= kBatchTile * kSimtChunkK,
                 "the cross-warp sums must fit in the x buffer they reuse");
@@ -237,7 +239,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const SimtPar
   const int64_t split = blockIdx.y;
   const int64_t b0 = static_cast<int64_t>(blockIdx.z) * kBatchTile;
   const int64_t k_begin = split * p.k_per_split;
-  // Length of this split's K range; offsets inside it are ints (see SimtParams::k).
+  // Length of this split's K range; offsets inside it are ints (see GemmParams::k).
   const int k_len = static_cast<int>(min(p.k_per_split, p.k - k_begin));
   const int num_chunks = ceil_div(k_len, kSimtChunkK);
 
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const SimtPar
       if (kBufferF4 % kSimtThreads == 0 || e < kBufferF4) {
         const int bb = e / kChunkF4;
         const int k = chunk * kSimtChunkK + 4 * (e % kChunkF4);
-        const bool ok = b0 + bb < p.batch && k < k_len;
+        const bool ok = b0 + bb < p.rows && k < k_len;
         cp_async_16(buffer + e * 16, ok ? x_base + bb * p.ldx + k : p.x, ok ? 16 : 0);
       }
     }
@@ -386,20 +388,8 @@ static_assert(kTcFragsN % 2 == 0, "B fragments are loaded two n tiles per ldmatr
 static_assert(kTcBlockM % kTcLoadRowsPerPass == 0 && kTcBlockN % kTcLoadRowsPerPass == 0, "loader");
 static_assert((kTcSmemLd * 4) % 16 == 0, "ldmatrix / cp.async rows must stay 16-byte aligned");
 
-struct TcParams {
-  const float* x;         // [m, k], row stride ldx
-  int64_t ldx;
-  const float* w;         // [n, k], row stride ldw
-  int64_t ldw;
-  float* partial;         // partial[s * split_stride + row * n + col]
-  int64_t split_stride;
-  int64_t m;              // rows of x in this launch
-  int64_t n;
-  int64_t k;              // padded K (multiple of 4)
-  int64_t k_per_split;    // multiple of kTcBlockK
-};
 
-__global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const TcParams p) {
+__global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const GemmParams p) {
   extern __shared__ __align__(16) float smem[];  // kTcStages x {A [128][36], B [128][36]}
   allow_dependent_launch();
 
@@ -424,7 +414,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const TcPa
 #pragma unroll
   for (int pass = 0; pass < kTcLoadPassesA; ++pass) {
     const int64_t m = m0 + load_row + pass * kTcLoadRowsPerPass;
-    a_ok[pass] = m < p.m;
+    a_ok[pass] = m < p.rows;
     a_src[pass] = p.x + (a_ok[pass] ? m : 0) * p.ldx + k_begin + load_col;
   }
   const float* b_src[kTcLoadPassesB];
@@ -572,7 +562,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const TcPa
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t m = m0 + warp_m * kTcWarpTileM + mt * kTcMmaM + g + 8 * h;
-      if (m >= p.m) continue;
+      if (m >= p.rows) continue;
       float* out_row = out + m * p.n;
 #pragma unroll
       for (int nt = 0; nt < kTcFragsN; ++nt) {

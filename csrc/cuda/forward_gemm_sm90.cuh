@@ -195,7 +195,7 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[kWgAccum], const
 
 #endif  // FPG_WGMMA_DEVICE_CODE
 
-__global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(const TcParams p) {
+__global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(const GemmParams p) {
 #if FPG_WGMMA_DEVICE_CODE
   allow_dependent_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
 #pragma unroll
       for (int i = 0; i < kWgProducerRows; ++i) {
         const int row = row0 + kWgProducerRowStep * i;
-        const bool x_ok = k_ok && m0 + row < p.m;
+        const bool x_ok = k_ok && m0 + row < p.rows;
         cp_async_16(x_tile + (row * kWgXLd + 4 * chunk) * 4,
                     x_ok ? p.x + (m0 + row) * p.ldx + k : p.x, x_ok ? 16 : 0);
         const bool w_ok = k_ok && n0 + row < p.n;
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t m = m0 + warpgroup * 64 + warp_in_group * 16 + g + 8 * h;
-    if (m >= p.m) continue;
+    if (m >= p.rows) continue;
     float* out_row = out + m * p.n;
 #pragma unroll
     for (int j = 0; j < kWgBlockN / 8; ++j) {
