@@ -513,7 +513,9 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
         out.data_ptr<out_t>(), argmax.data_ptr<int64_t>(), preactivation.data_ptr<out_t>()));
   };
   auto with_batch = [&](auto threads_per_row) {
-    if (p.splits > kEpilogueManySplitBatch) {
+    // The larger batch only where it makes all partials after the first one round trip (10 to 16
+    // splits); beyond, three 15-load batches lost to the 8-load ones at 32 splits (B = 128).
+    if (p.splits > kEpilogueSplitBatch + 1 && p.splits <= kEpilogueManySplitBatch + 1) {
       launch(threads_per_row, std::integral_constant<int, kEpilogueManySplitBatch>{});
     } else {
       launch(threads_per_row, std::integral_constant<int, kEpilogueSplitBatch>{});
