@@ -2,8 +2,8 @@
 // arg-max n and the pre-activation there (torch.max semantics: first index on ties, NaN wins).
 //
 // Two launches:
-//   1. a split-K GEMM writing fp32 partial sums to a workspace [splits, B, N]: a SIMT GEMV for
-//      small B (forward_gemm.cuh), a 3xTF32 tensor-core GEMM for larger B: wgmma on sm_90a
+//   1. a split-K GEMM writing fp32 partial sums to a workspace [splits, B, N]: a row-parallel GEMV
+//      (one split) for B <= 4, a SIMT split-K GEMV for small B (forward_gemm.cuh), a 3xTF32 tensor-core GEMM for larger B: wgmma on sm_90a
 //      (forward_gemm_sm90.cuh), mma.sync elsewhere (forward_gemm.cuh);
 //   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
@@ -52,6 +52,13 @@ namespace fg = forward_gemm;
 // FMA work, B x N x K, is still small next to it); larger ones the 3xTF32 tensor-core GEMM, whose
 // 128-row tiles are mostly padding below ~32 rows.
 constexpr int64_t kSimtMaxBatch = 32;
+
+// Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
+// B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
+// each, keep at least this share of the SMs busy (each SM then streams its own rows at its share
+// of DRAM bandwidth); fewer rows would leave SMs idle and take the split-K GEMV. At the default
+// shape: 128 CTAs on 132 SMs.
+constexpr int64_t kRowwiseMinBusySmPercent = 75;
 
 // The SIMT GEMV aims at one full wave of resident CTAs (all weight loads in flight at once), but
 // at most this many CTAs per SM: more, smaller CTAs would only add split-K partials for the
@@ -466,6 +473,40 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
   });
 }
 
+bool use_rowwise(const DeviceInfo& info, int64_t batch, int64_t n) {
+  const int64_t ctas = ceil_div(n, int64_t{fg::kRowwiseRows});
+  return batch <= fg::kRowwiseMaxBatch && 100 * ctas >= kRowwiseMinBusySmPercent * info.sms;
+}
+
+void launch_rowwise(const Operand& x, const Operand& w, float* dot_products, int64_t batch,
+                    int64_t n, int64_t k_padded, cudaStream_t stream) {
+  const int64_t ctas = ceil_div(n, int64_t{fg::kRowwiseRows});
+  TORCH_CHECK(ctas <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
+  fg::SimtParams p{};
+  p.x = x.data;
+  p.ldx = x.ld;
+  p.w = w.data;
+  p.ldw = w.ld;
+  p.partial = dot_products;
+  p.split_stride = batch * n;
+  p.batch = batch;
+  p.n = n;
+  p.k = k_padded;
+  p.k_per_split = k_padded;
+  auto launch = [&](auto batch_tile) {
+    fg::rowwise_gemv_kernel<decltype(batch_tile)::value>
+        <<<static_cast<unsigned>(ctas), fg::kRowwiseThreads, 0, stream>>>(p);
+  };
+  if (batch <= 1) {
+    launch(std::integral_constant<int, 1>{});
+  } else if (batch <= 2) {
+    launch(std::integral_constant<int, 2>{});
+  } else {
+    launch(std::integral_constant<int, 4>{});
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* partial,
                int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
   const int64_t n_tiles = ceil_div(n, int64_t{fg::kTcBlockN});
@@ -561,7 +602,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     const Operand x_op = as_kernel_operand(x, k_padded);
     const Operand w_op = as_kernel_operand(weight, k_padded);
     const at::TensorOptions f32 = x.options().dtype(at::kFloat);
-    if (batch <= kSimtMaxBatch || info.tc_ctas_per_sm == 0) {
+    if (use_rowwise(info, batch, n)) {
+      splits = 1;
+      workspace = at::empty({splits, batch, n}, f32);
+      launch_rowwise(x_op, w_op, workspace.data_ptr<float>(), batch, n, k_padded, stream);
+    } else if (batch <= kSimtMaxBatch || info.tc_ctas_per_sm == 0) {
       const SimtPlan plan = plan_simt(info, batch, n, k_padded);
       splits = plan.splits;
       workspace = at::empty({splits, batch, n}, f32);

@@ -4,6 +4,8 @@
 //
 //   simt_splitk_kernel     small batch (a GEMV): exact fp32 FMA, the weight streamed once with
 //                          16-byte loads, the x rows' K chunk staged in shared memory.
+//   rowwise_gemv_kernel    B <= 4 with enough weight rows to fill the GPU: whole rows per CTA, no
+//                          split-K (one "split"), exact fp32 FMA.
 //   tf32x3_splitk_kernel   larger batch: tensor cores (mma.sync m16n8k8 TF32, sm_80 and later)
 //                          with float32-class accuracy from the 3xTF32 split of every operand.
 //
@@ -335,6 +337,104 @@ __global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const GemmPar
   }
   cp_async_wait<0>();  // only an empty group can remain
   write_simt_partials<kBatchTile>(p, acc, smem_f4);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tiny batch (B <= kRowwiseMaxBatch) with enough weight rows to fill the GPU: a row-parallel GEMV.
+//
+// A CTA owns kRowwiseRows whole weight rows (all of K): no split-K, so the kernel writes the final
+// dot products as one "split" (partial[0, b, n]) and the epilogue reads B x N floats instead of
+// S x B x N. At the default shape that is 128 CTAs of 4 rows (32 KB each) on 132 SMs, one wave.
+// Thread t takes float4 number t, t + 512, ... of each row, kRowwiseUnroll of them per row per
+// step (K = 8192: one step). ptxas interleaves those loads with the FMAs to save registers (48 at
+// B = 1), so the bytes in flight come from the warp count: 16 warps x 32 lanes x ~5 loads x 16 B
+// = ~40 KB per SM, above the ~33 KB that 4.3 TB/s at ~1 us of latency needs per SM. x (B x K, at most 128 KB) is read by every
+// CTA through L2 with the same float4 pattern. The sums are reduced over the warp with a fixed
+// butterfly, then over the warps in warp order through shared memory: bitwise reproducible.
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kRowwiseThreads = 512;
+constexpr int kRowwiseWarps = kRowwiseThreads / 32;
+constexpr int kRowwiseRows = 4;
+constexpr int kRowwiseUnroll = 4;
+constexpr int kRowwiseMaxBatch = 4;
+
+template <int kBatch>
+__global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const SimtParams p) {
+  static_assert(kBatch >= 1 && kBatch <= kRowwiseMaxBatch, "batch");
+  allow_dependent_launch();
+  __shared__ float warp_sums[kRowwiseWarps][kBatch][kRowwiseRows];
+
+  const int tid = threadIdx.x;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRowwiseRows;
+  const int64_t k4 = p.k / 4;  // float4 per row (K is padded to a multiple of 4)
+
+  const float* w_row[kRowwiseRows];
+  bool row_ok[kRowwiseRows];
+#pragma unroll
+  for (int r = 0; r < kRowwiseRows; ++r) {
+    row_ok[r] = n0 + r < p.n;
+    w_row[r] = p.w + (row_ok[r] ? n0 + r : 0) * p.ldw;
+  }
+
+  float acc[kBatch][kRowwiseRows];
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+    for (int r = 0; r < kRowwiseRows; ++r) acc[b][r] = 0.f;
+  }
+
+  const AlignedVector<float, 4> zero{};
+  for (int64_t base = tid; base < k4; base += int64_t{kRowwiseThreads} * kRowwiseUnroll) {
+    AlignedVector<float, 4> w[kRowwiseUnroll][kRowwiseRows];
+    AlignedVector<float, 4> xv[kRowwiseUnroll][kBatch];
+#pragma unroll
+    for (int u = 0; u < kRowwiseUnroll; ++u) {
+      const int64_t i = base + int64_t{u} * kRowwiseThreads;
+      const bool k_ok = i < k4;
+#pragma unroll
+      for (int r = 0; r < kRowwiseRows; ++r) {
+        w[u][r] = (k_ok && row_ok[r]) ? load_vector<float, 4>(w_row[r] + 4 * i) : zero;
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        xv[u][b] = (k_ok && b < p.batch) ? load_vector<float, 4>(p.x + b * p.ldx + 4 * i) : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowwiseUnroll; ++u) {
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+        for (int r = 0; r < kRowwiseRows; ++r) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[b][r] = fmaf(w[u][r].val[e], xv[u][b].val[e], acc[b][r]);
+        }
+      }
+    }
+  }
+
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+    for (int r = 0; r < kRowwiseRows; ++r) {
+      float v = acc[b][r];
+#pragma unroll
+      for (int mask = 16; mask >= 1; mask /= 2) v += __shfl_xor_sync(0xffffffffu, v, mask);
+      if (lane == 0) warp_sums[warp][b][r] = v;
+    }
+  }
+  __syncthreads();
+  if (tid < kBatch * kRowwiseRows) {
+    const int b = tid / kRowwiseRows;
+    const int r = tid % kRowwiseRows;
+    float sum = warp_sums[0][b][r];
+#pragma unroll
+    for (int w = 1; w < kRowwiseWarps; ++w) sum += warp_sums[w][b][r];
+    if (b < p.batch && n0 + r < p.n) p.partial[b * p.n + n0 + r] = sum;
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
