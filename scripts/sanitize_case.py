@@ -1,7 +1,7 @@
 """A small workload that runs every CUDA kernel once, for compute-sanitizer (scripts/sanitize.sh).
 
 Shapes are small (the tools slow kernels down 10-100x) but odd, so that every tail path, the
-small-batch and the tensor-core forward paths, the misaligned slow path and the backward all run.
+small-batch (row-parallel and split-K GEMV) and the tensor-core forward paths, the misaligned slow path and the backward all run.
 Both tensor-core GEMMs run: the default one (wgmma on an sm_90a build on Hopper) and the portable
 mma.sync one (FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
 """
@@ -17,6 +17,7 @@ device = "cuda"
 cases = [  # (batch, in_features, out_features, pool_kernel_size)
     (1, 257, 96, 16),      # small batch, K % 4 != 0 (padded slow path), O % k == 0
     (3, 64, 50, 7),        # O % k != 0: tail rows dropped
+    (2, 1027, 2402, 4),    # row-parallel GEMV (B <= 4, 600 pooled rows): row and K tails
     (300, 520, 1030, 4),   # tensor-core path with M, N, K tails
     (1024, 256, 512, 16),  # tensor-core path, full tiles
 ]

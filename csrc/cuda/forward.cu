@@ -482,17 +482,7 @@ void launch_rowwise(const Operand& x, const Operand& w, float* dot_products, int
                     int64_t n, int64_t k_padded, cudaStream_t stream) {
   const int64_t ctas = ceil_div(n, int64_t{fg::kRowwiseRows});
   TORCH_CHECK(ctas <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
-  fg::SimtParams p{};
-  p.x = x.data;
-  p.ldx = x.ld;
-  p.w = w.data;
-  p.ldw = w.ld;
-  p.partial = dot_products;
-  p.split_stride = batch * n;
-  p.batch = batch;
-  p.n = n;
-  p.k = k_padded;
-  p.k_per_split = k_padded;
+  const fg::GemmParams p = gemm_params(x, w, dot_products, batch, n, k_padded, k_padded, 0, batch);
   auto launch = [&](auto batch_tile) {
     fg::rowwise_gemv_kernel<decltype(batch_tile)::value>
         <<<static_cast<unsigned>(ctas), fg::kRowwiseThreads, 0, stream>>>(p);

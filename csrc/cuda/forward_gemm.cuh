@@ -360,7 +360,7 @@ constexpr int kRowwiseUnroll = 4;
 constexpr int kRowwiseMaxBatch = 4;
 
 template <int kBatch>
-__global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const SimtParams p) {
+__global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const GemmParams p) {
   static_assert(kBatch >= 1 && kBatch <= kRowwiseMaxBatch, "batch");
   allow_dependent_launch();
   __shared__ float warp_sums[kRowwiseWarps][kBatch][kRowwiseRows];
@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const Sim
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
-        xv[u][b] = (k_ok && b < p.batch) ? load_vector<float, 4>(p.x + b * p.ldx + 4 * i) : zero;
+        xv[u][b] = (k_ok && b < p.rows) ? load_vector<float, 4>(p.x + b * p.ldx + 4 * i) : zero;
       }
     }
 #pragma unroll
@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const Sim
     float sum = warp_sums[0][b][r];
 #pragma unroll
     for (int w = 1; w < kRowwiseWarps; ++w) sum += warp_sums[w][b][r];
-    if (b < p.batch && n0 + r < p.n) p.partial[b * p.n + n0 + r] = sum;
+    if (b < p.rows && n0 + r < p.n) p.partial[b * p.n + n0 + r] = sum;
   }
 }
 
