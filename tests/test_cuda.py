@@ -180,6 +180,7 @@ def test_row_parallel_gemv_shapes_match_float64(batch, in_features, pooled, make
     assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
 
 
+@pytest.mark.profiler
 def test_tiny_batch_at_the_default_shape_runs_the_row_parallel_gemv(make_inputs):
     x, weight, bias = make_inputs(1, 8192, 512, torch.float32, DEVICE)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -240,6 +241,7 @@ def _has_wgmma_gemm():
     )
 
 
+@pytest.mark.profiler
 @pytest.mark.skipif(not _has_wgmma_gemm(), reason="needs an sm_90a build on a compute capability 9.0 GPU")
 def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, make_inputs):
     x, weight, bias = make_inputs(256, 1024, 256, torch.float32, DEVICE)
