@@ -80,25 +80,41 @@ class ModelNew(nn.Module):
 
     def folded_parameters(self) -> Tuple[Tensor, Tensor]:
         """(pooled_weight, pooled_bias) for the current parameters, from the cache when valid."""
-        weight, bias = self.matmul.weight, self.matmul.bias
-        params = (weight,) if bias is None else (weight, bias)
+        linear = self.matmul
+        return self._folded(linear.weight, linear.bias)
+
+    @staticmethod
+    def _stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
         # A parameter is unchanged while it is the same object over the same storage with the same
-        # version counter (every in-place op, optimizer steps and load_state_dict included, bumps it).
-        stamp = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        # version counter (every in-place op, optimizer steps and load_state_dict included, bump it).
+        # One flat tuple: this runs at every inference call, and host time counts at small batch.
+        if bias is None:
+            return (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        return (weight.data_ptr(), weight._version, weight.dtype, weight.device,
+                bias.data_ptr(), bias._version, bias.dtype, bias.device)
+
+    def _folded(self, weight: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         cache = self._fold_cache
-        if (
-            cache is not None
-            and cache[1] == stamp
-            and len(cache[0]) == len(params)
-            and all(ref() is p for ref, p in zip(cache[0], params))
-        ):
-            return cache[2], cache[3]
+        if cache is not None:
+            weight_ref, bias_ref, stamp, pooled_weight, pooled_bias = cache
+            if (
+                weight_ref() is weight
+                and (bias_ref is None if bias is None else bias_ref is not None and bias_ref() is bias)
+                and stamp == self._stamp(weight, bias)
+            ):
+                return pooled_weight, pooled_bias
         # Plain tensors even when called under inference_mode: a frozen model cached there must
         # still serve later calls whose x requires grad (autograd cannot save inference tensors).
         with torch.inference_mode(False), torch.no_grad():
             pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
         # One assignment of a whole entry: concurrent callers see either the old or the new one.
-        self._fold_cache = (tuple(weakref.ref(p) for p in params), stamp, pooled_weight, pooled_bias)
+        self._fold_cache = (
+            weakref.ref(weight),
+            None if bias is None else weakref.ref(bias),
+            self._stamp(weight, bias),
+            pooled_weight,
+            pooled_bias,
+        )
         return pooled_weight, pooled_bias
 
     def _apply(self, fn, *args, **kwargs):
@@ -130,7 +146,7 @@ class ModelNew(nn.Module):
             # gradients; model_forward records fold and forward as one C++ node (less host time
             # than the two ops' Python autograd nodes, same bits).
             return ops.model_forward(x, weight, bias, self.pool_kernel_size, self.scale_factor)
-        pooled_weight, pooled_bias = self.folded_parameters()
+        pooled_weight, pooled_bias = self._folded(weight, bias)
         return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
 
     def __getstate__(self):
