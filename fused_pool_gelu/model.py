@@ -97,11 +97,8 @@ class ModelNew(nn.Module):
         cache = self._fold_cache
         if cache is not None:
             weight_ref, bias_ref, stamp, pooled_weight, pooled_bias = cache
-            if (
-                weight_ref() is weight
-                and (bias_ref is None if bias is None else bias_ref is not None and bias_ref() is bias)
-                and stamp == self._stamp(weight, bias)
-            ):
+            cached_bias = None if bias_ref is None else bias_ref()
+            if weight_ref() is weight and cached_bias is bias and stamp == self._stamp(weight, bias):
                 return pooled_weight, pooled_bias
         # Plain tensors even when called under inference_mode: a frozen model cached there must
         # still serve later calls whose x requires grad (autograd cannot save inference tensors).

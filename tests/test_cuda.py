@@ -66,6 +66,19 @@ def _pooled64_values(x, pooled_weight, pooled_bias, scale):
     return z, F.gelu(z) * scale
 
 
+def _kernels_run(fn):
+    """Names of the CUDA kernels fn launches (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+def _gemm_kernels_run(fn):
+    """Names of the CUDA kernels fn launches whose name says they are a forward split-K GEMM."""
+    return {name for name in _kernels_run(fn) if "splitk_kernel" in name}
+
+
 def _assert_contract(out, model, x):
     with torch.no_grad():
         ref32 = model(x)
@@ -131,9 +144,14 @@ def test_default_shape_gradients_match_float64_at_the_chosen_argmax(batch):
 
 # (B, K, N): every combination of the odd sizes, pooled weight directly.
 ODD = [(b, k, n) for b in (1, 3, 1000) for k in (1, 3, 257, 4099) for n in (1, 3, 513)]
+# Tiny batches with enough pooled rows to fill the GPU take the row-parallel GEMV (whole K per
+# CTA, B <= 4): every batch tile, row tails, K % 4 != 0 and K longer than one unrolled step.
+ROWWISE = [(b, k, n) for b in (1, 2, 3, 4) for k in (5, 8195) for n in (1023, 2050)]
 
 
-@pytest.mark.parametrize("batch,in_features,pooled", ODD, ids=[f"B{b}-K{k}-N{n}" for b, k, n in ODD])
+@pytest.mark.parametrize(
+    "batch,in_features,pooled", ODD + ROWWISE, ids=[f"B{b}-K{k}-N{n}" for b, k, n in ODD + ROWWISE]
+)
 def test_odd_shapes_forward_matches_float64(batch, in_features, pooled, make_inputs, check_forward):
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
@@ -166,27 +184,10 @@ def test_odd_shapes_backward_matches_float64_at_the_chosen_argmax(
         torch.testing.assert_close(ours.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
 
 
-# Tiny batches with enough pooled rows to fill the GPU take the row-parallel GEMV (whole K per
-# CTA, B <= 4): every batch tile, row tails, K % 4 != 0 and K longer than one unrolled step.
-ROWWISE = [(b, k, n) for b in (1, 2, 3, 4) for k in (5, 8195) for n in (1023, 2050)]
-
-
-@pytest.mark.parametrize("batch,in_features,pooled", ROWWISE, ids=[f"B{b}-K{k}-N{n}" for b, k, n in ROWWISE])
-def test_row_parallel_gemv_shapes_match_float64(batch, in_features, pooled, make_inputs, check_forward):
-    x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
-    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
-    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    _, v64 = _pooled64_values(x, weight, bias, 2.0)
-    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
-
-
 @pytest.mark.profiler
 def test_tiny_batch_at_the_default_shape_runs_the_row_parallel_gemv(make_inputs):
     x, weight, bias = make_inputs(1, 8192, 512, torch.float32, DEVICE)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        ops.forward_with_argmax(x, weight, bias, 2.0)
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events()}
+    names = _kernels_run(lambda: ops.forward_with_argmax(x, weight, bias, 2.0))
     assert any("rowwise_gemv_kernel" in n for n in names), names
 
 
@@ -224,12 +225,6 @@ def test_misaligned_pointers_give_correct_results(layout, make_inputs, check_for
 # portable mma.sync kernel elsewhere (and on Hopper under FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
 
 
-def _gemm_kernels_run(fn):
-    """Names of the CUDA kernels fn launches whose name says they are a forward GEMM."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "splitk_kernel" in e.name}
 
 
 def _has_wgmma_gemm():
