@@ -184,6 +184,35 @@ def test_odd_shapes_backward_matches_float64_at_the_chosen_argmax(
         torch.testing.assert_close(ours.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
 
 
+# Past 16 MB (4M floats) of split-K workspace, the forward runs in slices of rows (forward.cu,
+# kMaxWorkspaceFloats): tensor-core slices of 1024 rows and a 52-row tail, GEMV slices of 20 rows,
+# row-parallel slices of 2 rows and a 1-row tail.
+WORKSPACE_BOUND_BYTES = 16 << 20
+SLICED = [(2100, 12, 4096), (40, 8, 200003), (3, 4, 1_500_000)]
+
+
+@pytest.mark.parametrize(
+    "batch,in_features,pooled", SLICED, ids=[f"B{b}-K{k}-N{n}" for b, k, n in SLICED]
+)
+def test_batches_past_the_workspace_bound_run_in_slices(
+    batch, in_features, pooled, make_inputs, check_forward
+):
+    assert batch * pooled * 4 > WORKSPACE_BOUND_BYTES  # one split of the whole batch would not fit
+    x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
+    ops.forward_with_argmax(x, weight, bias, 2.0)  # warm-up: per-device setup
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    # The workspace plus the three outputs (16 bytes a row) and the allocator's rounding.
+    assert extra <= WORKSPACE_BOUND_BYTES + 16 * batch + (1 << 20), extra
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    _, v64 = _pooled64_values(x, weight, bias, 2.0)
+    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+
+
 @pytest.mark.profiler
 def test_tiny_batch_at_the_default_shape_runs_the_row_parallel_gemv(make_inputs):
     x, weight, bias = make_inputs(1, 8192, 512, torch.float32, DEVICE)

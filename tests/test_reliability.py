@@ -733,10 +733,21 @@ def test_deterministic_algorithms_mode_changes_no_bit(batch, device):
 # Memory.
 
 
+# k = 1 (no pooling): the pooled width is O, so only the bounded split-K workspace (16 MB, rows in
+# slices beyond it) keeps the forward below a [B, O] tensor; B = 4096 makes [B, O] 64 MB.
+MEMORY_SHAPES = [(1024, 4096, 4096, 16), (4096, 1024, 4096, 1)]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_cuda_forward_needs_less_memory_than_one_batch_by_out_features_tensor(grad):
-    batch, in_features, out_features, k = 1024, 4096, 4096, 16
+@pytest.mark.parametrize(
+    "batch,in_features,out_features,k",
+    MEMORY_SHAPES,
+    ids=[f"B{b}-O{o}-k{k}" for b, _, o, k in MEMORY_SHAPES],
+)
+def test_cuda_forward_needs_less_memory_than_one_batch_by_out_features_tensor(
+    batch, in_features, out_features, k, grad
+):
     model = Model(in_features, out_features, k, 2.0).to("cuda")
     new = ModelNew.from_model(model)
     x = torch.randn(batch, in_features, device="cuda")

@@ -1,10 +1,11 @@
 // CUDA forward_with_argmax: out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n]), with the
 // arg-max n and the pre-activation there (torch.max semantics: first index on ties, NaN wins).
 //
-// Two launches:
-//   1. a split-K GEMM writing fp32 partial sums to a workspace [splits, B, N]: a row-parallel GEMV
-//      (one split) for B <= 4, a SIMT split-K GEMV for small B (forward_gemm.cuh), a 3xTF32 tensor-core GEMM for larger B: wgmma on sm_90a
-//      (forward_gemm_sm90.cuh), mma.sync elsewhere (forward_gemm.cuh);
+// Two launches per slice of rows (one slice unless the workspace would pass kMaxWorkspaceFloats):
+//   1. a split-K GEMM writing fp32 partial sums to a workspace [splits, rows, N]: a row-parallel
+//      GEMV (one split) for B <= 4, a SIMT split-K GEMV for small B (forward_gemm.cuh), a 3xTF32
+//      tensor-core GEMM for larger B: wgmma on sm_90a (forward_gemm_sm90.cuh), mma.sync elsewhere
+//      (forward_gemm.cuh);
 //   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum.
@@ -89,6 +90,14 @@ constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // B = 1 17.8 -> 16.4 us, but B = 128, 32 splits, 26.9 -> 31.3 us: see benchmarks/NOTES.md.)
 constexpr int kEpilogueSplitBatch = 8;
 constexpr int kEpilogueManySplitBatch = 15;
+
+// The split-K workspace (splits x rows x N floats) stays within this: larger batches go through
+// GEMM + epilogue in slices of rows, and the planners cap the splits of a slice. Unbounded, it
+// would grow with B, and at k = 1 (N = O) be at least a [B, O] tensor, the Linear output the fused
+// op exists to avoid. 16 MB keeps a slice at >= 4M outputs (>= 256 tensor-core tiles of 128 x 128,
+// ~2 waves on 132 SMs), so slicing costs the GEMM little; the default shape needs 8 MB up to
+// B = 4096 and is never sliced.
+constexpr int64_t kMaxWorkspaceFloats = (int64_t{16} << 20) / static_cast<int64_t>(sizeof(float));
 
 // Largest supported K (padded to a multiple of 4): offsets inside a row, plus two chunks of
 // look-ahead, must fit an int in the GEMV kernel.
@@ -372,7 +381,8 @@ struct SimtPlan {
   int64_t k_per_split;
 };
 
-SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded) {
+SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
+                   int64_t split_cap) {
   SimtPlan plan{};
   plan.tile_index = kNumSimtBatchTiles - 1;
   for (int i = 0; i < kNumSimtBatchTiles; ++i) {
@@ -388,7 +398,7 @@ SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_p
                               std::min(info.simt_ctas_per_sm[plan.tile_index], kSimtMaxCtasPerSm);
   const int64_t max_splits = ceil_div(k_padded, int64_t{fg::kSimtChunkK});
   const int64_t splits = std::clamp<int64_t>(target_ctas / (n_tiles * b_tiles), 1,
-                                             std::min(max_splits, kMaxGridYZ));
+                                             std::min({max_splits, kMaxGridYZ, split_cap}));
   // Whole chunks per split; recounting afterwards leaves no empty split.
   plan.k_per_split = ceil_div(ceil_div(k_padded, splits), int64_t{fg::kSimtChunkK}) * fg::kSimtChunkK;
   plan.splits = ceil_div(k_padded, plan.k_per_split);
@@ -402,7 +412,8 @@ struct TcPlan {
   int64_t k_per_split;
 };
 
-TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded) {
+TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
+               int64_t split_cap) {
   static_assert(fg::kWgBlockM == fg::kTcBlockM && fg::kWgBlockN == fg::kTcBlockN &&
                     fg::kWgBlockK == fg::kTcBlockK,
                 "one split-K plan for both tensor-core kernels");
@@ -412,8 +423,8 @@ TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padde
   const int64_t k_tiles = ceil_div(k_padded, int64_t{fg::kTcBlockK});
   const int64_t slots = static_cast<int64_t>(info.sms) *
                         (wgmma ? info.wgmma_ctas_per_sm : info.tc_ctas_per_sm);
-  const int64_t max_splits =
-      std::max<int64_t>(1, std::min(kTcMaxSplits, k_tiles / kTcMinKTilesPerSplit));
+  const int64_t max_splits = std::max<int64_t>(
+      1, std::min({kTcMaxSplits, k_tiles / kTcMinKTilesPerSplit, split_cap}));
   int64_t best_cost = std::numeric_limits<int64_t>::max();
   int64_t best_k_tiles_per_split = k_tiles;
   for (int64_t s = 1; s <= max_splits; ++s) {
@@ -522,6 +533,51 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
   }
 }
 
+// Rows per slice (see kMaxWorkspaceFloats): all of them when one split of the whole batch fits,
+// else as many as fit, in whole 128-row tensor-core tiles where that leaves at least one.
+int64_t rows_per_slice(int64_t batch, int64_t n) {
+  if (batch * n <= kMaxWorkspaceFloats) return batch;
+  const int64_t rows = std::max<int64_t>(1, kMaxWorkspaceFloats / n);
+  return rows >= fg::kTcBlockM ? rows / fg::kTcBlockM * fg::kTcBlockM : rows;
+}
+
+// Which GEMM runs a slice of `rows` rows, and its split-K plan (at most split_cap splits).
+struct GemmPlan {
+  enum class Kind { kRowwise, kSimt, kTc } kind;
+  SimtPlan simt;
+  TcPlan tc;
+  int64_t splits;
+};
+
+GemmPlan plan_gemm(const DeviceInfo& info, bool rowwise, int64_t rows, int64_t n,
+                   int64_t k_padded, int64_t split_cap) {
+  GemmPlan plan{};
+  if (rowwise) {
+    plan.kind = GemmPlan::Kind::kRowwise;
+    plan.splits = 1;
+  } else if (rows <= kSimtMaxBatch || info.tc_ctas_per_sm == 0) {
+    plan.kind = GemmPlan::Kind::kSimt;
+    plan.simt = plan_simt(info, rows, n, k_padded, split_cap);
+    plan.splits = plan.simt.splits;
+  } else {
+    plan.kind = GemmPlan::Kind::kTc;
+    plan.tc = plan_tc(info, rows, n, k_padded, split_cap);
+    plan.splits = plan.tc.splits;
+  }
+  return plan;
+}
+
+void launch_gemm(const GemmPlan& plan, const Operand& x, const Operand& w, float* partial,
+                 int64_t rows, int64_t n, int64_t k_padded, cudaStream_t stream) {
+  switch (plan.kind) {
+    case GemmPlan::Kind::kRowwise: launch_rowwise(x, w, partial, rows, n, k_padded, stream); break;
+    case GemmPlan::Kind::kSimt:
+      launch_simt(plan.simt, x, w, partial, rows, n, k_padded, stream);
+      break;
+    case GemmPlan::Kind::kTc: launch_tc(plan.tc, x, w, partial, rows, n, k_padded, stream); break;
+  }
+}
+
 template <typename out_t>
 void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argmax,
                      at::Tensor& preactivation, bool dependent_launch, cudaStream_t stream) {
@@ -581,51 +637,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   at::Tensor bias_f32;  // float32 and contiguous (see as_kernel_operand for half / bfloat16)
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
 
-  // Split-K partial sums; K == 0 needs none (z = bias).
-  at::Tensor workspace;
-  int64_t splits = 0;
-  if (k > 0) {
-    const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
-    // The GEMV kernel indexes inside a row with ints (fewer registers in its hot loop).
-    TORCH_CHECK(k_padded <= kMaxInFeatures, "fused_pool_gelu.forward: in_features must be at most ",
-                kMaxInFeatures, ", got ", k);
-    const Operand x_op = as_kernel_operand(x, k_padded);
-    const Operand w_op = as_kernel_operand(weight, k_padded);
-    const at::TensorOptions f32 = x.options().dtype(at::kFloat);
-    if (use_rowwise(info, batch, n)) {
-      splits = 1;
-      workspace = at::empty({splits, batch, n}, f32);
-      launch_rowwise(x_op, w_op, workspace.data_ptr<float>(), batch, n, k_padded, stream);
-    } else if (batch <= kSimtMaxBatch || info.tc_ctas_per_sm == 0) {
-      const SimtPlan plan = plan_simt(info, batch, n, k_padded);
-      splits = plan.splits;
-      workspace = at::empty({splits, batch, n}, f32);
-      launch_simt(plan, x_op, w_op, workspace.data_ptr<float>(), batch, n, k_padded, stream);
-    } else {
-      const TcPlan plan = plan_tc(info, batch, n, k_padded);
-      splits = plan.splits;
-      workspace = at::empty({splits, batch, n}, f32);
-      launch_tc(plan, x_op, w_op, workspace.data_ptr<float>(), batch, n, k_padded, stream);
-    }
-  }
+  const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
+  // The GEMV kernel indexes inside a row with ints (fewer registers in its hot loop).
+  TORCH_CHECK(k_padded <= kMaxInFeatures, "fused_pool_gelu.forward: in_features must be at most ",
+              kMaxInFeatures, ", got ", k);
+  // K == 0 needs no GEMM and no workspace (z = bias): one slice.
+  const Operand x_op = k > 0 ? as_kernel_operand(x, k_padded) : Operand{};
+  const Operand w_op = k > 0 ? as_kernel_operand(weight, k_padded) : Operand{};
+  const int64_t slice_rows = k > 0 ? rows_per_slice(batch, n) : batch;
+  const int64_t split_cap = std::max<int64_t>(1, kMaxWorkspaceFloats / (slice_rows * n));
+  const bool rowwise = use_rowwise(info, slice_rows, n);
 
-  // The epilogue follows the GEMM as its programmatic dependent where the device supports it.
-  const bool pdl = info.dependent_launch && splits > 0;
-  EpilogueParams p{};
-  p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
-  p.split_stride = batch * n;
-  p.splits = static_cast<int>(splits);
-  p.bias = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
-  p.scale = static_cast<float>(scale);  // torch multiplies a float32 tensor by a float32 scalar
-  p.batch = batch;
-  p.n = n;
-  switch (x.scalar_type()) {
-    case at::kFloat: launch_epilogue<float>(p, out, argmax, preactivation, pdl, stream); break;
-    case at::kHalf: launch_epilogue<at::Half>(p, out, argmax, preactivation, pdl, stream); break;
-    case at::kBFloat16:
-      launch_epilogue<at::BFloat16>(p, out, argmax, preactivation, pdl, stream);
-      break;
-    default: TORCH_CHECK(false, "fused_pool_gelu.forward: unreachable dtype ", x.scalar_type());
+  at::Tensor workspace;  // split-K partial sums of the current slice, reused by the next one
+  for (int64_t row0 = 0; row0 < batch; row0 += slice_rows) {
+    const int64_t rows = std::min(slice_rows, batch - row0);
+    int64_t splits = 0;
+    if (k > 0) {
+      const Operand x_slice{x_op.storage, x_op.data + row0 * x_op.ld, x_op.ld};
+      const GemmPlan plan = plan_gemm(info, rowwise, rows, n, k_padded, split_cap);
+      splits = plan.splits;
+      // Stream order makes reuse safe: this slice's GEMM starts after the last epilogue's end.
+      if (!workspace.defined() || workspace.numel() < splits * rows * n) {
+        workspace = at::empty({splits * rows * n}, x.options().dtype(at::kFloat));
+      }
+      launch_gemm(plan, x_slice, w_op, workspace.data_ptr<float>(), rows, n, k_padded, stream);
+    }
+    // The epilogue follows the GEMM as its programmatic dependent where the device supports it.
+    const bool pdl = info.dependent_launch && splits > 0;
+    EpilogueParams p{};
+    p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
+    p.split_stride = rows * n;
+    p.splits = static_cast<int>(splits);
+    p.bias = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
+    p.scale = static_cast<float>(scale);  // torch multiplies a float32 tensor by a float32 scalar
+    p.batch = rows;
+    p.n = n;
+    // (No narrow() views in the usual one-slice case: host time counts at B = 1.)
+    auto rows_of = [&](const at::Tensor& t) { return rows == batch ? t : t.narrow(0, row0, rows); };
+    at::Tensor out_slice = rows_of(out);
+    at::Tensor argmax_slice = rows_of(argmax);
+    at::Tensor preactivation_slice = rows_of(preactivation);
+    switch (x.scalar_type()) {
+      case at::kFloat:
+        launch_epilogue<float>(p, out_slice, argmax_slice, preactivation_slice, pdl, stream);
+        break;
+      case at::kHalf:
+        launch_epilogue<at::Half>(p, out_slice, argmax_slice, preactivation_slice, pdl, stream);
+        break;
+      case at::kBFloat16:
+        launch_epilogue<at::BFloat16>(p, out_slice, argmax_slice, preactivation_slice, pdl,
+                                      stream);
+        break;
+      default: TORCH_CHECK(false, "fused_pool_gelu.forward: unreachable dtype ", x.scalar_type());
+    }
   }
   return {out, argmax, preactivation};
 }
