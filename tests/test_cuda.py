@@ -413,6 +413,7 @@ def test_float64_is_rejected_on_cuda_with_the_supported_dtypes():
 # Graphs, streams, determinism
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("batch", [8, 1024])
 def test_cuda_graph_replay_of_the_op_equals_eager(batch, make_inputs, capture_graph):
     x, weight, bias = make_inputs(batch, 2048, 128, torch.float32, DEVICE)
@@ -427,6 +428,7 @@ def test_cuda_graph_replay_of_the_op_equals_eager(batch, make_inputs, capture_gr
             assert torch.equal(replayed, eager)
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("batch", [8, 1024])
 def test_cuda_graph_replay_of_model_new_under_no_grad_equals_eager(batch, capture_graph):
     _, new = _models(2048, 2048, 16, 2.0, seed=5)
@@ -440,6 +442,7 @@ def test_cuda_graph_replay_of_model_new_under_no_grad_equals_eager(batch, captur
             assert torch.equal(static_out, new(fresh))
 
 
+@pytest.mark.graphs
 def test_cuda_graph_capture_of_a_training_step_equals_eager(make_inputs, capture_graph):
     x, weight, bias = make_inputs(512, 1024, 256, torch.float32, DEVICE)
     weight, bias = weight.requires_grad_(True), bias.requires_grad_(True)

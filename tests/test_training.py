@@ -283,6 +283,7 @@ def _eager_step(model, optimizer, x, target):
 
 
 @pytest.mark.cuda
+@pytest.mark.graphs
 @pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("zero_grad", ["none_before_capture", "in_place_in_graph"])
 def test_cuda_graph_replays_of_a_training_step_equal_eager_steps(optimizer_name, zero_grad):
@@ -352,6 +353,7 @@ def _sgd_like_update(model):
 
 
 @pytest.mark.cuda
+@pytest.mark.graphs
 def test_cuda_graph_of_fold_and_forward_under_no_grad_follows_parameter_updates(capture_graph):
     # Evaluation between training steps: capture the ops, fold included, not ModelNew's cache.
     model = ModelNew(*GRAPH_ARGS).cuda()
@@ -365,6 +367,7 @@ def test_cuda_graph_of_fold_and_forward_under_no_grad_follows_parameter_updates(
 
 
 @pytest.mark.cuda
+@pytest.mark.graphs
 def test_cuda_graph_replays_of_a_no_grad_model_new_forward_follow_parameter_updates(capture_graph):
     # While a stream is capturing, ModelNew folds inside the graph instead of using its cache
     # (Python state that replays would not run), so each replay refolds the current parameters.
@@ -381,6 +384,7 @@ def test_cuda_graph_replays_of_a_no_grad_model_new_forward_follow_parameter_upda
 
 
 @pytest.mark.cuda
+@pytest.mark.graphs
 def test_eager_no_grad_call_after_capturing_a_no_grad_forward_gives_the_right_output():
     # The parameters changed since the warm-up, so the capture misses the cache and records a
     # fold, whose kernel does not run until the first replay: the eager call after it must not be
