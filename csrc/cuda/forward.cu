@@ -39,6 +39,8 @@
 #include "forward_gemm.cuh"
 #include "forward_gemm_sm90.cuh"
 
+#define FPG_WGMMA_PASSES 3
+
 namespace fused_pool_gelu {
 namespace cuda {
 namespace {
@@ -330,10 +332,10 @@ const DeviceInfo& device_info(int device) {
     info->dependent_launch = major >= 9;
     if (FPG_WITH_SM90A && major == 9 && minor == 0 && fg::kWgSmemBytes <= max_smem_optin) {
       cudaFuncAttributes attributes{};
-      C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel<FPG_WGMMA_PASSES>));
       if (attributes.binaryVersion == 90) {
-        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
-        info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<FPG_WGMMA_PASSES>, fg::kWgSmemBytes);
+        info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel<FPG_WGMMA_PASSES>,
                                                        fg::kWgThreads, fg::kWgSmemBytes);
       }
     }
@@ -525,7 +527,7 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
                     static_cast<unsigned>(ceil_div(p.rows, int64_t{fg::kTcBlockM})),
                     static_cast<unsigned>(plan.splits));
     if (plan.wgmma) {
-      fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
+      fg::tf32x3_wgmma_splitk_kernel<FPG_WGMMA_PASSES><<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
     } else {
       fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
     }

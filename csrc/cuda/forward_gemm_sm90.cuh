@@ -197,7 +197,11 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[kWgAccum], const
 
 #endif  // FPG_WGMMA_DEVICE_CODE
 
+// kPasses = 3: 3xTF32 (float32-accurate); kPasses = 1: one TF32 wgmma per K step on the raw fp32
+// operands (the tensor core reads their top 19 bits), no split: the certified first pass.
+template <int kPasses>
 __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(const GemmParams p) {
+  static_assert(kPasses == 1 || kPasses == 3, "3xTF32 or single-pass TF32");
 #if FPG_WGMMA_DEVICE_CODE
   allow_dependent_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -254,6 +258,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     };
     auto release_tile = [&](int k_tile) {
       const int stage = k_tile % kWgStages;
+      if constexpr (kPasses == 3) {
       unsigned char* big = smem + kWgBigOffset + stage * kWgWeightTileBytes;
       unsigned char* small = smem + kWgSmallOffset + stage * kWgWeightTileBytes;
 #pragma unroll
@@ -267,6 +272,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
         split_tf32(v.w, v.w, w.w);
         *reinterpret_cast<uint4*>(big + off) = v;
         *reinterpret_cast<uint4*>(small + off) = w;
+      }
       }
       fence_proxy_async_shared();  // the halves are read by wgmma (async proxy)
       mbarrier_arrive(full_barrier + 8 * stage);
@@ -310,7 +316,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
       uint32_t r[4];
       ldmatrix_x4(r, x_tile + a_frag_off + kk * kWgMmaK * 4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) split_tf32(r[e], a_big[set][kk][e], a_small[set][kk][e]);
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (kPasses == 3) {
+          split_tf32(r[e], a_big[set][kk][e], a_small[set][kk][e]);
+        } else {
+          a_big[set][kk][e] = r[e];
+        }
+      }
     }
   };
 
@@ -330,14 +342,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     const uint32_t w_big = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
     const uint32_t w_small = smem_base + kWgSmallOffset + stage * kWgWeightTileBytes;
     wgmma_fence();  // acc and the A registers were last written by ordinary instructions
+    if constexpr (kPasses == 3) {
 #pragma unroll
-    for (int kk = 0; kk < kWgKSteps; ++kk) {
-      wgmma_m64n128k8_tf32(acc, a_small[kSet][kk], weight_descriptor(w_big + 32 * kk), kk > 0);
-      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_small + 32 * kk), true);
+      for (int kk = 0; kk < kWgKSteps; ++kk) {
+        wgmma_m64n128k8_tf32(acc, a_small[kSet][kk], weight_descriptor(w_big + 32 * kk), kk > 0);
+        wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_small + 32 * kk), true);
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < kWgKSteps; ++kk) {
-      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk), true);
+      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk),
+                           kPasses == 3 || kk > 0);
     }
     wgmma_commit();
     if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
