@@ -39,8 +39,6 @@
 #include "forward_gemm.cuh"
 #include "forward_gemm_sm90.cuh"
 
-#define FPG_WGMMA_PASSES 3
-
 namespace fused_pool_gelu {
 namespace cuda {
 namespace {
@@ -236,6 +234,259 @@ __global__ void __launch_bounds__(kEpilogueThreads)
 }
 
 // ------------------------------------------------------------------------------------------------
+// Certified single pass (FUSED_POOL_GELU_CERTIFIED=1, sm_90a, float32; issue #4, plan in
+// benchmarks/NOTES.md): a single-pass TF32 GEMM gives every z[b, n] up to a proven error bound;
+// only the columns that may still hold the row's maximum are recomputed in float32.
+//
+// The bound. z = x . w + bias over K; pass 1 computes z~ = sum over splits s of the tensor core's
+// sum of tf32(x_i) tf32(w_i) over the split's K range, plus bias, in float32.
+//  1. Operands: the tensor core reads the top 19 bits of a float32 (truncation, or rounding; both
+//     give a relative error below 2^-10 for normal numbers). A subnormal operand may be flushed:
+//     absolute error below 2^-126. So |x w - tf32(x) tf32(w)| <= (2^-9 + 2^-20) |x| |w|
+//     + 2^-126 (|x| + |w|) + 2^-252.
+//  2. Products of two 11-bit significands are exact in float32; a product below 2^-126 may be
+//     flushed: 2^-126 each.
+//  3. Accumulation: we assume, with DESIGN.md (Fasi et al. 2021 measured tensor cores aligning
+//     the addends to the largest exponent and truncating), that every addition of the tensor
+//     core's chain has a relative error below u = 2^-23 plus 2^-126 for a flushed subnormal; a
+//     chain of at most K + S + 2 additions (products, split sums, bias) then errs by at most
+//     gamma = (K + S + 2) u / (1 - (K + S + 2) u) times the sum of the magnitudes it adds.
+//  Summing: |z~ - z| <= c_rel sum |x_i| |w_i| + gamma |bias| + 2^-126 (2 K + S + 2)
+//     + 2^-126 (||x||_1 + ||w||_1),  c_rel = (2^-9 + 2^-20)(1 + gamma) + gamma,
+//  and Cauchy-Schwarz: sum |x_i||w_i| <= ||x||_2 ||w||_2, ||v||_1 <= sqrt(K) ||v||_2. The norms
+//  come from pass 1 (sums of squares in float32, round to nearest, no flush-to-zero: relative
+//  error below gamma' = (K + S) 2^-24 / (1 - (K + S) 2^-24) plus 2^-149 per term lost in the
+//  subnormal range), taken as sqrt(sum + (K + S) 2^-148) (1 + gamma' + 2^-22).
+// The float32 rescoring (one FMA chain per thread, then a tree: depth below K + 10) errs by at
+// most rho (||x|| ||w|| + |bias|), rho = gamma_{K + 10}(2^-24): the rescored z lies within
+// E = bound + rescoring error of z~. Every constant comes from the host in double, rounded up.
+//
+// Selection. gelu decreases on (-inf, x0] and increases on [x0, inf), x0 = -0.7517915...: over
+// [z~ - E, z~ + E] its minimum is at the end nearer x0 (or gelu(x0) when x0 is inside), its
+// maximum at one end. Widened by 2^-16 (|g| + |a| + |b|) + 2^-126 to cover float32 gelu's own
+// error at both the ends and the rescored point, and scaled with directed rounding (ends swapped
+// for s < 0), this gives [lo_n, hi_n] holding the value the rescoring will compute for column n.
+// Candidates: the columns with hi_n >= M = max_n lo_n. Any other column's computed value would
+// be below M, which the column attaining M reaches: it cannot be the winner, so the answer is
+// the one rescoring every column would give (same torch.max rule on NaN and ties). A row with a
+// non-finite z~ or bound, or with more than kMaxCandidates candidates, is rescored entirely.
+// ------------------------------------------------------------------------------------------------
+
+namespace certified {
+
+constexpr int kMaxCandidates = 32;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// gelu's minimum, at x0 = -0.75179152469...: floats just below and above x0, and one below
+// gelu(x0) = -0.16997120748...
+constexpr float kGeluX0Below = -0.7517916f;
+constexpr float kGeluX0Above = -0.7517915f;
+constexpr float kGeluMinLower = -0.1699713f;
+
+// Constants of the bound (see above), each a float32 at or above its exact value.
+struct Bound {
+  float relative;         // c_rel
+  float bias;             // gamma
+  float absolute;         // 2^-126 (2 K + S + 2)
+  float per_norm;         // 2^-126 sqrt(K): multiplies ||x|| + ||w||
+  float squares_floor;    // (K + S) 2^-148, added to a sum of squares
+  float norm_slack;       // 1 + gamma' + 2^-22
+  float rescore;          // rho
+};
+
+struct SelectParams {
+  const float* partial;   // [splits, batch, n]
+  int64_t split_stride;
+  int splits;
+  const float* x_sumsq;   // [splits, batch]
+  const float* w_sumsq;   // [splits, n]
+  const float* bias;      // [n] or nullptr
+  float scale;            // finite and non-zero (the host checks)
+  int64_t batch;
+  int64_t n;
+  Bound bound;
+  int* count;             // [batch]: candidates, or -1: rescore every column
+  int* candidates;        // [batch, kMaxCandidates]
+};
+
+__device__ __forceinline__ float norm_from_squares(const float* sumsq, int64_t stride, int splits,
+                                                   const Bound& c) {
+  float sum = c.squares_floor;
+  for (int s = 0; s < splits; ++s) sum += __ldg(sumsq + s * stride);
+  return __fmul_ru(__fsqrt_ru(sum), c.norm_slack);
+}
+
+// z~ and its bound E for one column; false when either is not finite.
+__device__ __forceinline__ bool column_interval(const SelectParams& p, const float* row_partial,
+                                               int64_t col, float x_norm, float& z, float& e) {
+  z = sum_splits<kEpilogueSplitBatch>(row_partial + col, p.split_stride, p.splits);
+  const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
+  z += b;
+  const float w_norm = norm_from_squares(p.w_sumsq + col, p.n, p.splits, p.bound);
+  const float product = __fmul_ru(x_norm, w_norm);
+  e = __fmaf_ru(p.bound.relative, product,
+                __fmaf_ru(p.bound.bias, fabsf(b),
+                          __fmaf_ru(p.bound.per_norm, __fadd_ru(x_norm, w_norm),
+                                    p.bound.absolute)));
+  e = __fadd_ru(e, __fmul_ru(p.bound.rescore, __fadd_ru(product, fabsf(b))));
+  return isfinite(z) && isfinite(e);
+}
+
+__device__ __forceinline__ float widen(float g, float a, float b) {
+  return 0x1p-16f * (fabsf(g) + fabsf(a) + fabsf(b)) + 0x1p-126f;
+}
+
+// [lo, hi] of scale * gelu over [z - e, z + e] as float32 computes it (see above).
+__device__ __forceinline__ void value_interval(float z, float e, float scale, float& lo,
+                                               float& hi) {
+  const float a = __fsub_rd(z, e);
+  const float b = __fadd_ru(z, e);
+  const float ga = gelu(a);
+  const float gb = gelu(b);
+  float g_lo = b <= kGeluX0Below ? gb : (a >= kGeluX0Above ? ga : kGeluMinLower);
+  float g_hi = fmaxf(ga, gb);
+  g_lo = __fsub_rd(g_lo, widen(g_lo, a, b));
+  g_hi = __fadd_ru(g_hi, widen(g_hi, a, b));
+  if (scale > 0.f) {
+    lo = __fmul_rd(scale, g_lo);
+    hi = __fmul_ru(scale, g_hi);
+  } else {
+    lo = __fmul_rd(scale, g_hi);
+    hi = __fmul_ru(scale, g_lo);
+  }
+}
+
+// Block-wide max (and OR of a flag) over kThreads threads; every thread gets the result.
+__device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, int* s_flag) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  const bool any = __any_sync(0xffffffffu, flag);
+  if (lane == 0) {
+    s_value[warp] = v;
+    s_flag[warp] = any;
+  }
+  __syncthreads();
+  v = s_value[0];
+  flag = s_flag[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    v = fmaxf(v, s_value[w]);
+    flag = flag || s_flag[w];
+  }
+  return v;
+}
+
+// One CTA per row.
+__global__ void __launch_bounds__(kThreads) select_candidates_kernel(const SelectParams p) {
+  wait_for_gemm();
+  __shared__ float s_value[kWarps];
+  __shared__ int s_flag[kWarps];
+  __shared__ int s_count;
+  const int64_t row = blockIdx.x;
+  const float* row_partial = p.partial + row * p.n;
+  const float x_norm = norm_from_squares(p.x_sumsq + row, p.batch, p.splits, p.bound);
+  if (threadIdx.x == 0) s_count = 0;
+
+  float best_lower = -INFINITY;
+  bool whole_row = false;
+  for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
+    float z, e, lo, hi;
+    if (!column_interval(p, row_partial, col, x_norm, z, e)) {
+      whole_row = true;
+      continue;
+    }
+    value_interval(z, e, p.scale, lo, hi);
+    best_lower = fmaxf(best_lower, lo);
+  }
+  best_lower = block_max(best_lower, whole_row, s_value, s_flag);
+
+  if (!whole_row) {
+    // The same arithmetic as above, so each column gets the same interval again.
+    for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
+      float z, e, lo, hi;
+      column_interval(p, row_partial, col, x_norm, z, e);
+      value_interval(z, e, p.scale, lo, hi);
+      if (hi >= best_lower) {
+        const int slot = atomicAdd(&s_count, 1);
+        if (slot < kMaxCandidates) p.candidates[row * kMaxCandidates + slot] = static_cast<int>(col);
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) p.count[row] = whole_row || s_count > kMaxCandidates ? -1 : s_count;
+}
+
+struct RescoreParams {
+  const float* x;         // [batch, k_padded] rows of stride ldx (zero-padded past K)
+  int64_t ldx;
+  const float* w;         // [n, k_padded], stride ldw
+  int64_t ldw;
+  int64_t k4;             // k_padded / 4
+  const float* bias;      // [n] or nullptr
+  float scale;
+  int64_t batch;
+  int64_t n;
+  const int* count;
+  const int* candidates;
+};
+
+// x[row] . w[col] in float32: per thread an FMA chain over every 256th group of 4, then the
+// threads' sums in a fixed tree (the same for every call: deterministic).
+__device__ __forceinline__ float rescore_dot(const RescoreParams& p, const float4* x_row,
+                                             int64_t col, float* s_sum) {
+  const float4* w_row = reinterpret_cast<const float4*>(p.w + col * p.ldw);
+  float sum = 0.f;
+  for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
+    const float4 a = __ldg(x_row + i);
+    const float4 b = __ldg(w_row + i);
+    sum = fmaf(a.x, b.x, sum);
+    sum = fmaf(a.y, b.y, sum);
+    sum = fmaf(a.z, b.z, sum);
+    sum = fmaf(a.w, b.w, sum);
+  }
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  const int warp = threadIdx.x / 32;
+  __syncthreads();  // s_sum is reused by the next column
+  if (threadIdx.x % 32 == 0) s_sum[warp] = sum;
+  __syncthreads();
+  sum = s_sum[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) sum += s_sum[w];
+  return sum;
+}
+
+// One CTA per row: the candidates' float32 z, then the arg-max with torch.max's rule.
+template <typename out_t>
+__global__ void __launch_bounds__(kThreads)
+    rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
+                   out_t* __restrict__ preactivation) {
+  wait_for_gemm();  // the selection's writes
+  __shared__ float s_sum[kWarps];
+  const int64_t row = blockIdx.x;
+  const float4* x_row = reinterpret_cast<const float4*>(p.x + row * p.ldx);
+  const int count = p.count[row];
+  const int64_t columns = count < 0 ? p.n : count;
+  Candidate best{-INFINITY, p.n, 0.f};
+  for (int64_t j = 0; j < columns; ++j) {
+    const int64_t col = count < 0 ? j : p.candidates[row * kMaxCandidates + j];
+    float z = rescore_dot(p, x_row, col, s_sum);
+    if (p.bias != nullptr) z += __ldg(p.bias + col);
+    const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
+    if (beats(v, col, best.value, best.index)) best = Candidate{v, col, z};
+  }
+  if (threadIdx.x == 0) {
+    out[row] = static_cast<out_t>(best.value);
+    argmax[row] = best.index;
+    preactivation[row] = static_cast<out_t>(best.z);
+  }
+}
+
+}  // namespace certified
+
+// ------------------------------------------------------------------------------------------------
 // Host side.
 // ------------------------------------------------------------------------------------------------
 
@@ -291,6 +542,13 @@ struct DeviceInfo {
 
 // FUSED_POOL_GELU_FORCE_MMA_SYNC=1 runs the portable mma.sync GEMM on Hopper too (tests of that
 // path on an H200, debugging). Read at each call, so a test can flip it in-process.
+// FUSED_POOL_GELU_CERTIFIED=1 takes the certified single pass where it applies (experimental: see
+// the section above and use_certified). Read at each call, like the switch below.
+bool certified_requested() {
+  const char* value = std::getenv("FUSED_POOL_GELU_CERTIFIED");
+  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+}
+
 bool force_mma_sync() {
   const char* value = std::getenv("FUSED_POOL_GELU_FORCE_MMA_SYNC");
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
@@ -332,10 +590,11 @@ const DeviceInfo& device_info(int device) {
     info->dependent_launch = major >= 9;
     if (FPG_WITH_SM90A && major == 9 && minor == 0 && fg::kWgSmemBytes <= max_smem_optin) {
       cudaFuncAttributes attributes{};
-      C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel<FPG_WGMMA_PASSES>));
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel<3>));
       if (attributes.binaryVersion == 90) {
-        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<FPG_WGMMA_PASSES>, fg::kWgSmemBytes);
-        info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel<FPG_WGMMA_PASSES>,
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<3>, fg::kWgSmemBytes);
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1>, fg::kWgSmemBytes);
+        info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel<3>,
                                                        fg::kWgThreads, fg::kWgSmemBytes);
       }
     }
@@ -527,7 +786,7 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
                     static_cast<unsigned>(ceil_div(p.rows, int64_t{fg::kTcBlockM})),
                     static_cast<unsigned>(plan.splits));
     if (plan.wgmma) {
-      fg::tf32x3_wgmma_splitk_kernel<FPG_WGMMA_PASSES><<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
+      fg::tf32x3_wgmma_splitk_kernel<3><<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
     } else {
       fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
     }
@@ -578,6 +837,120 @@ void launch_gemm(const GemmPlan& plan, const Operand& x, const Operand& w, float
       break;
     case GemmPlan::Kind::kTc: launch_tc(plan.tc, x, w, partial, rows, n, k_padded, stream); break;
   }
+}
+
+// The bound's constants (see the certified section), computed in double and rounded up.
+certified::Bound certified_bound(int64_t k_padded, int64_t splits) {
+  const double k = static_cast<double>(k_padded);
+  const double s = static_cast<double>(splits);
+  auto gamma = [](double terms, double u) { return terms * u / (1.0 - terms * u); };
+  auto up = [](double v) {
+    const float f = static_cast<float>(v);
+    return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
+  };
+  const double g = gamma(k + s + 2, 0x1p-23);
+  certified::Bound b{};
+  b.relative = up((0x1p-9 + 0x1p-20) * (1.0 + g) + g);
+  b.bias = up(g);
+  b.absolute = up(0x1p-126 * (2.0 * k + s + 2.0));
+  b.per_norm = up(0x1p-126 * std::sqrt(k));
+  b.squares_floor = up((k + s) * 0x1p-148);
+  b.norm_slack = up(1.0 + gamma(k + s, 0x1p-24) + 0x1p-22);
+  b.rescore = up(gamma(k + 32, 0x1p-24));
+  return b;
+}
+
+// Where the certified path applies: asked for, the wgmma kernel available, float32, a batch the
+// tensor-core GEMM serves in one launch and one workspace slice, a finite non-zero scale, and K
+// small enough for the bound's constants (gamma needs (K + S + 2) 2^-23 well below 1).
+bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
+                   int64_t batch, int64_t n, int64_t k_padded, double scale) {
+  return certified_requested() && info.wgmma_ctas_per_sm > 0 && !force_mma_sync() &&
+         x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+         batch > kSimtMaxBatch && batch <= kMaxGridYZ * fg::kWgBlockM &&
+         rows_per_slice(batch, n) == batch && k_padded > 0 && k_padded <= (int64_t{1} << 20) &&
+         std::isfinite(scale) && scale != 0.0;
+}
+
+cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStream_t stream,
+                                           cudaLaunchAttribute& attribute) {
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares) and the selection, the second
+// a programmatic dependent of the first. Returns the selection: [batch] candidate counts (-1:
+// every column), then [batch, kMaxCandidates] candidate columns.
+at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
+                            const float* bias, float scale, int64_t batch, int64_t n,
+                            int64_t k_padded, const at::TensorOptions& options,
+                            cudaStream_t stream) {
+  const TcPlan plan = plan_tc(info, batch, n, k_padded, kMaxWorkspaceFloats / (batch * n));
+  TORCH_CHECK(plan.wgmma, "fused_pool_gelu.forward: internal error: certified without wgmma");
+  const int64_t splits = plan.splits;
+  // Freed on return: the caching allocator reuses it only after this stream's kernels.
+  at::Tensor workspace = at::empty({splits * (batch * n + batch + n)}, options.dtype(at::kFloat));
+  at::Tensor selection = at::empty({batch * (1 + certified::kMaxCandidates)}, options.dtype(at::kInt));
+  float* partial = workspace.data_ptr<float>();
+
+  fg::GemmParams gemm = gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
+  gemm.x_sumsq = partial + splits * batch * n;
+  gemm.w_sumsq = gemm.x_sumsq + splits * batch;
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, int64_t{fg::kWgBlockN})),
+                  static_cast<unsigned>(ceil_div(batch, int64_t{fg::kWgBlockM})),
+                  static_cast<unsigned>(splits));
+  fg::tf32x3_wgmma_splitk_kernel<1><<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(gemm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  certified::SelectParams select{};
+  select.partial = partial;
+  select.split_stride = batch * n;
+  select.splits = static_cast<int>(splits);
+  select.x_sumsq = gemm.x_sumsq;
+  select.w_sumsq = gemm.w_sumsq;
+  select.bias = bias;
+  select.scale = scale;
+  select.batch = batch;
+  select.n = n;
+  select.bound = certified_bound(k_padded, splits);
+  select.count = selection.data_ptr<int>();
+  select.candidates = select.count + batch;
+  cudaLaunchAttribute attribute{};
+  const cudaLaunchConfig_t config =
+      dependent_launch_config(batch, certified::kThreads, stream, attribute);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::select_candidates_kernel, select));
+  return selection;
+}
+
+void certified_rescore(const Operand& x, const Operand& w, const float* bias, float scale,
+                       int64_t batch, int64_t n, int64_t k_padded, const at::Tensor& selection,
+                       at::Tensor& out, at::Tensor& argmax, at::Tensor& preactivation,
+                       cudaStream_t stream) {
+  certified::RescoreParams rescore{};
+  rescore.x = x.data;
+  rescore.ldx = x.ld;
+  rescore.w = w.data;
+  rescore.ldw = w.ld;
+  rescore.k4 = k_padded / 4;
+  rescore.bias = bias;
+  rescore.scale = scale;
+  rescore.batch = batch;
+  rescore.n = n;
+  rescore.count = selection.const_data_ptr<int>();
+  rescore.candidates = rescore.count + batch;
+  cudaLaunchAttribute attribute{};
+  const cudaLaunchConfig_t config =
+      dependent_launch_config(batch, certified::kThreads, stream, attribute);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel<float>, rescore,
+                                    out.data_ptr<float>(), argmax.data_ptr<int64_t>(),
+                                    preactivation.data_ptr<float>()));
 }
 
 template <typename out_t>
@@ -646,6 +1019,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   // K == 0 needs no GEMM and no workspace (z = bias): one slice.
   const Operand x_op = k > 0 ? as_kernel_operand(x, k_padded) : Operand{};
   const Operand w_op = k > 0 ? as_kernel_operand(weight, k_padded) : Operand{};
+  if (k > 0 && use_certified(info, x, weight, batch, n, k_padded, scale)) {
+    const float* bias_data = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
+    const at::Tensor selection = certified_select(info, x_op, w_op, bias_data, static_cast<float>(scale), batch, n,
+                                                  k_padded, x.options(), stream);
+    certified_rescore(x_op, w_op, bias_data, static_cast<float>(scale), batch, n, k_padded, selection, out, argmax,
+                      preactivation, stream);
+    return {out, argmax, preactivation};
+  }
   const int64_t slice_rows = k > 0 ? rows_per_slice(batch, n) : batch;
   const int64_t split_cap = std::max<int64_t>(1, kMaxWorkspaceFloats / (slice_rows * n));
   const bool rowwise = use_rowwise(info, slice_rows, n);
@@ -696,10 +1077,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   return {out, argmax, preactivation};
 }
 
+at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                           const c10::optional<at::Tensor>& bias, double scale) {
+  check_forward_inputs(x, weight, bias);
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t batch = x.size(0);
+  const int64_t n = weight.size(0);
+  const int64_t k_padded = ceil_div(x.size(1), int64_t{4}) * 4;
+  const DeviceInfo& info = device_info(x.get_device());
+  TORCH_CHECK(use_certified(info, x, weight, batch, n, k_padded, scale),
+              "fused_pool_gelu._certified_candidate_counts: the certified path does not apply "
+              "here (it needs FUSED_POOL_GELU_CERTIFIED=1, an sm_90a build on a compute "
+              "capability 9.0 GPU, float32, ", kSimtMaxBatch + 1, " <= batch, one workspace "
+              "slice, K <= 2^20 and a finite non-zero scale)");
+  at::Tensor bias_f32;
+  if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
+  const Operand x_op = as_kernel_operand(x, k_padded);
+  const Operand w_op = as_kernel_operand(weight, k_padded);
+  const at::Tensor selection = certified_select(
+      info, x_op, w_op, bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr,
+      static_cast<float>(scale), batch, n, k_padded, x.options(), c10::cuda::getCurrentCUDAStream());
+  return selection.narrow(0, 0, batch).clone();
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace fused_pool_gelu
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
   m.impl("forward_with_argmax", &fused_pool_gelu::cuda::forward_with_argmax_cuda);
+  m.impl("_certified_candidate_counts", &fused_pool_gelu::cuda::certified_candidate_counts_cuda);
 }

@@ -134,6 +134,10 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+// Waits until at most one committed wgmma group is still running.
+__device__ __forceinline__ void wgmma_wait_one() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 // Generic-proxy writes to shared memory (st.shared, cp.async) become visible to the async proxy
 // that wgmma reads through only after this fence (and a barrier with the reading threads).
 __device__ __forceinline__ void fence_proxy_async_shared() {
@@ -307,6 +311,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
   // the next tile's are loaded.
   uint32_t a_big[2][kWgKSteps][4];
   uint32_t a_small[2][kWgKSteps][4];
+  // Single pass: the sums of squares of this thread's two x rows (g and g + 8 of its warp's 16)
+  // in the CTAs of n tile 0, and of weight row (c / 2), half c % 2 of each K tile, in the CTAs of
+  // m tile 0 (c = consumer thread index): each row once per split.
+  const bool sum_x_squares = kPasses == 1 && p.x_sumsq != nullptr && blockIdx.x == 0;
+  const bool sum_w_squares = kPasses == 1 && p.w_sumsq != nullptr && blockIdx.y == 0;
+  float x_squares[2] = {0.f, 0.f};
+  float w_squares = 0.f;
   auto load_x_fragments = [&](int k_tile, int set) {
     const int stage = k_tile % kWgStages;
     mbarrier_wait(full_barrier + 8 * stage, (k_tile / kWgStages) & 1);
@@ -321,8 +332,24 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
           split_tf32(r[e], a_big[set][kk][e], a_small[set][kk][e]);
         } else {
           a_big[set][kk][e] = r[e];
+          // a0, a2: row g; a1, a3: row g + 8 (the m16n8k8 A fragment).
+          if (sum_x_squares) {
+            const float v = __uint_as_float(r[e]);
+            x_squares[e & 1] = fmaf(v, v, x_squares[e & 1]);
+          }
         }
       }
+    }
+  };
+  const int consumer = tid - kWgProducerThreads;
+  auto add_w_squares = [&](int k_tile) {
+    const unsigned char* tile = smem + kWgBigOffset + (k_tile % kWgStages) * kWgWeightTileBytes;
+    const int row = consumer / 2;
+#pragma unroll
+    for (int c = 0; c < kWgChunksPerRow / 2; ++c) {
+      const float4 v = *reinterpret_cast<const float4*>(
+          tile + swizzle128(row, (consumer % 2) * (kWgChunksPerRow / 2) + c));
+      w_squares = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, w_squares))));
     }
   };
 
@@ -334,40 +361,81 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     total[i] = 0.f;
   }
 
-  // The loop body is written for register set kt % 2 at compile time (two tiles per iteration):
-  // register arrays indexed by a run-time value would go to local memory.
-  auto run_tile = [&](int kt, auto set_constant) {
-    constexpr int kSet = decltype(set_constant)::value;
-    const int stage = kt % kWgStages;
-    const uint32_t w_big = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
-    const uint32_t w_small = smem_base + kWgSmallOffset + stage * kWgWeightTileBytes;
-    wgmma_fence();  // acc and the A registers were last written by ordinary instructions
-    if constexpr (kPasses == 3) {
+  if constexpr (kPasses == 3) {
+    // The loop body is written for register set kt % 2 at compile time (two tiles per
+    // iteration): register arrays indexed by a run-time value would go to local memory.
+    auto run_tile = [&](int kt, auto set_constant) {
+      constexpr int kSet = decltype(set_constant)::value;
+      const int stage = kt % kWgStages;
+      const uint32_t w_big = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
+      const uint32_t w_small = smem_base + kWgSmallOffset + stage * kWgWeightTileBytes;
+      wgmma_fence();  // acc and the A registers were last written by ordinary instructions
 #pragma unroll
       for (int kk = 0; kk < kWgKSteps; ++kk) {
         wgmma_m64n128k8_tf32(acc, a_small[kSet][kk], weight_descriptor(w_big + 32 * kk), kk > 0);
         wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_small + 32 * kk), true);
       }
-    }
 #pragma unroll
-    for (int kk = 0; kk < kWgKSteps; ++kk) {
-      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk),
-                           kPasses == 3 || kk > 0);
+      for (int kk = 0; kk < kWgKSteps; ++kk) {
+        wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk), true);
+      }
+      wgmma_commit();
+      if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
+      wgmma_wait_all();
+      // Every consumer thread arrives: mbarrier.arrive releases only the arriving thread's own
+      // earlier accesses (here its ldmatrix reads of the stage's x tile).
+      mbarrier_arrive(empty_barrier + 8 * stage);
+#pragma unroll
+      for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
+    };
+    if (num_k_tiles > 0) load_x_fragments(0, 0);
+    for (int kt = 0; kt < num_k_tiles; kt += 2) {
+      run_tile(kt, std::integral_constant<int, 0>{});
+      if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
     }
-    wgmma_commit();
-    if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
+  } else {
+    // Single pass: one accumulator over the whole split, no per-tile flush (its rounding is
+    // covered by the selection's error bound), so the tensor pipe never drains between tiles:
+    // tile kt's wgmmas are issued before tile kt - 1's are waited for, and the A register set of
+    // tile kt - 1 is refilled with tile kt + 1's fragments only after that wait.
+    auto run_tile = [&](int kt, auto set_constant) {
+      constexpr int kSet = decltype(set_constant)::value;
+      const uint32_t w_big = smem_base + kWgBigOffset + (kt % kWgStages) * kWgWeightTileBytes;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kWgKSteps; ++kk) {
+        wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk), true);
+      }
+      wgmma_commit();
+      if (sum_w_squares) add_w_squares(kt);
+      wgmma_wait_one();
+      if (kt > 0) mbarrier_arrive(empty_barrier + 8 * ((kt - 1) % kWgStages));
+      if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
+    };
+    if (num_k_tiles > 0) load_x_fragments(0, 0);
+    for (int kt = 0; kt < num_k_tiles; kt += 2) {
+      run_tile(kt, std::integral_constant<int, 0>{});
+      if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
+    }
     wgmma_wait_all();
-    // Every consumer thread arrives: mbarrier.arrive releases only the arriving thread's own
-    // earlier accesses (here its ldmatrix reads of the stage's x tile).
-    mbarrier_arrive(empty_barrier + 8 * stage);
 #pragma unroll
-    for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
-  };
+    for (int i = 0; i < kWgAccum; ++i) total[i] = acc[i];
 
-  if (num_k_tiles > 0) load_x_fragments(0, 0);
-  for (int kt = 0; kt < num_k_tiles; kt += 2) {
-    run_tile(kt, std::integral_constant<int, 0>{});
-    if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
+    if (sum_x_squares) {
+      // The 4 lanes of a quad (t = lane % 4) hold different columns of the same two rows.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        x_squares[h] += __shfl_xor_sync(0xffffffffu, x_squares[h], 1);
+        x_squares[h] += __shfl_xor_sync(0xffffffffu, x_squares[h], 2);
+        const int64_t m = m0 + warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + 8 * h;
+        if ((lane & 3) == 0 && m < p.rows) p.x_sumsq[split * p.rows + m] = x_squares[h];
+      }
+    }
+    if (sum_w_squares) {
+      w_squares += __shfl_xor_sync(0xffffffffu, w_squares, 1);  // the two halves of the row
+      const int64_t col = n0 + consumer / 2;
+      if (consumer % 2 == 0 && col < p.n) p.w_sumsq[split * p.n + col] = w_squares;
+    }
   }
 
   // Store: value 4 j + e of this thread is row g (+8 for e >= 2), column 8 j + 2 t (+1 for odd e).
