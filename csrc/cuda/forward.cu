@@ -269,7 +269,8 @@ __global__ void __launch_bounds__(kEpilogueThreads)
 // Candidates: the columns with hi_n >= M = max_n lo_n. Any other column's computed value would
 // be below M, which the column attaining M reaches: it cannot be the winner, so the answer is
 // the one rescoring every column would give (same torch.max rule on NaN and ties). A row with a
-// non-finite z~ or bound, or with more than kMaxCandidates candidates, is rescored entirely.
+// non-finite z~, bound or value end, with ||x|| ||w|| >= 2^120 somewhere (where float32 sums
+// could overflow), or with more than kMaxCandidates candidates, is rescored entirely.
 // ------------------------------------------------------------------------------------------------
 
 namespace certified {
@@ -316,7 +317,8 @@ __device__ __forceinline__ float norm_from_squares(const float* sumsq, int64_t s
   return __fmul_ru(__fsqrt_ru(sum), c.norm_slack);
 }
 
-// z~ and its bound E for one column; false when either is not finite.
+// z~ and its bound E for one column; false when either is not finite or the norms are too large
+// for the analysis.
 __device__ __forceinline__ bool column_interval(const SelectParams& p, const float* row_partial,
                                                int64_t col, float x_norm, float& z, float& e) {
   z = sum_splits<kEpilogueSplitBatch>(row_partial + col, p.split_stride, p.splits);
@@ -329,7 +331,9 @@ __device__ __forceinline__ bool column_interval(const SelectParams& p, const flo
                           __fmaf_ru(p.bound.per_norm, __fadd_ru(x_norm, w_norm),
                                     p.bound.absolute)));
   e = __fadd_ru(e, __fmul_ru(p.bound.rescore, __fadd_ru(product, fabsf(b))));
-  return isfinite(z) && isfinite(e);
+  // Below 2^120 no partial sum of pass 1 or of the rescoring (each at most ~||x|| ||w||) can
+  // overflow, which the error analysis assumes.
+  return isfinite(z) && isfinite(e) && product < 0x1p120f;
 }
 
 __device__ __forceinline__ float widen(float g, float a, float b) {
@@ -354,6 +358,18 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
     lo = __fmul_rd(scale, g_hi);
     hi = __fmul_ru(scale, g_lo);
   }
+}
+
+// [lo, hi] for one column; false when z~, its bound or either end is not finite (an overflow in
+// the bound or in gelu * scale included): the row is then rescored whole, never compared with a
+// NaN.
+__device__ __forceinline__ bool column_value_interval(const SelectParams& p,
+                                                      const float* row_partial, int64_t col,
+                                                      float x_norm, float& lo, float& hi) {
+  float z, e;
+  if (!column_interval(p, row_partial, col, x_norm, z, e)) return false;
+  value_interval(z, e, p.scale, lo, hi);
+  return isfinite(lo) && isfinite(hi);
 }
 
 // Block-wide max (and OR of a flag) over kThreads threads; every thread gets the result.
@@ -392,12 +408,11 @@ __global__ void __launch_bounds__(kThreads) select_candidates_kernel(const Selec
   float best_lower = -INFINITY;
   bool whole_row = false;
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
-    float z, e, lo, hi;
-    if (!column_interval(p, row_partial, col, x_norm, z, e)) {
+    float lo, hi;
+    if (!column_value_interval(p, row_partial, col, x_norm, lo, hi)) {
       whole_row = true;
       continue;
     }
-    value_interval(z, e, p.scale, lo, hi);
     best_lower = fmaxf(best_lower, lo);
   }
   best_lower = block_max(best_lower, whole_row, s_value, s_flag);
@@ -405,9 +420,8 @@ __global__ void __launch_bounds__(kThreads) select_candidates_kernel(const Selec
   if (!whole_row) {
     // The same arithmetic as above, so each column gets the same interval again.
     for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
-      float z, e, lo, hi;
-      column_interval(p, row_partial, col, x_norm, z, e);
-      value_interval(z, e, p.scale, lo, hi);
+      float lo, hi;
+      column_value_interval(p, row_partial, col, x_norm, lo, hi);
       if (hi >= best_lower) {
         const int slot = atomicAdd(&s_count, 1);
         if (slot < kMaxCandidates) p.candidates[row * kMaxCandidates + slot] = static_cast<int>(col);
