@@ -446,30 +446,50 @@ struct RescoreParams {
   const int* candidates;
 };
 
-// x[row] . w[col] in float32: per thread an FMA chain over every 256th group of 4, then the
-// threads' sums in a fixed tree (the same for every call: deterministic).
-__device__ __forceinline__ float rescore_dot(const RescoreParams& p, const float4* x_row,
-                                             int64_t col, float* s_sum) {
-  const float4* w_row = reinterpret_cast<const float4*>(p.w + col * p.ldw);
-  float sum = 0.f;
+// Columns rescored together: one read of x feeds kGroup dot products, and kGroup weight rows are
+// in flight per thread.
+constexpr int kGroup = 4;
+
+// x[row] . w[col] in float32 for up to kGroup columns (cols[g] < 0: none): per thread an FMA chain
+// over every 256th group of 4 floats, then the threads' sums in a fixed tree. Every column's
+// arithmetic is the same whichever slot or group it is in (deterministic, and the same function
+// for every column, which the selection's argument needs).
+__device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float4* x_row,
+                                             const int64_t (&cols)[kGroup], float (&dots)[kGroup],
+                                             float (*s_sum)[kWarps]) {
+  const float4* w_rows[kGroup];
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+    // An empty slot reads weight row 0 (always there): no branch in the loop, result discarded.
+    w_rows[g] = reinterpret_cast<const float4*>(p.w + (cols[g] < 0 ? 0 : cols[g]) * p.ldw);
+    dots[g] = 0.f;
+  }
   for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
     const float4 a = __ldg(x_row + i);
-    const float4 b = __ldg(w_row + i);
-    sum = fmaf(a.x, b.x, sum);
-    sum = fmaf(a.y, b.y, sum);
-    sum = fmaf(a.z, b.z, sum);
-    sum = fmaf(a.w, b.w, sum);
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const float4 b = __ldg(w_rows[g] + i);
+      dots[g] = fmaf(a.x, b.x, dots[g]);
+      dots[g] = fmaf(a.y, b.y, dots[g]);
+      dots[g] = fmaf(a.z, b.z, dots[g]);
+      dots[g] = fmaf(a.w, b.w, dots[g]);
+    }
   }
-#pragma unroll
-  for (int mask = 16; mask >= 1; mask /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
   const int warp = threadIdx.x / 32;
-  __syncthreads();  // s_sum is reused by the next column
-  if (threadIdx.x % 32 == 0) s_sum[warp] = sum;
-  __syncthreads();
-  sum = s_sum[0];
+  __syncthreads();  // s_sum is reused by the next group
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) sum += s_sum[w];
-  return sum;
+  for (int g = 0; g < kGroup; ++g) {
+#pragma unroll
+    for (int mask = 16; mask >= 1; mask /= 2) dots[g] += __shfl_xor_sync(0xffffffffu, dots[g], mask);
+    if (threadIdx.x % 32 == 0) s_sum[g][warp] = dots[g];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+    dots[g] = s_sum[g][0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) dots[g] += s_sum[g][w];
+  }
 }
 
 // One CTA per row: the candidates' float32 z, then the arg-max with torch.max's rule.
@@ -478,18 +498,28 @@ __global__ void __launch_bounds__(kThreads)
     rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
                    out_t* __restrict__ preactivation) {
   wait_for_gemm();  // the selection's writes
-  __shared__ float s_sum[kWarps];
+  __shared__ float s_sum[kGroup][kWarps];
   const int64_t row = blockIdx.x;
   const float4* x_row = reinterpret_cast<const float4*>(p.x + row * p.ldx);
   const int count = p.count[row];
   const int64_t columns = count < 0 ? p.n : count;
   Candidate best{-INFINITY, p.n, 0.f};
-  for (int64_t j = 0; j < columns; ++j) {
-    const int64_t col = count < 0 ? j : p.candidates[row * kMaxCandidates + j];
-    float z = rescore_dot(p, x_row, col, s_sum);
-    if (p.bias != nullptr) z += __ldg(p.bias + col);
-    const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
-    if (beats(v, col, best.value, best.index)) best = Candidate{v, col, z};
+  for (int64_t j0 = 0; j0 < columns; j0 += kGroup) {
+    int64_t cols[kGroup];
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int64_t j = j0 + g;
+      cols[g] = j >= columns ? -1 : (count < 0 ? j : p.candidates[row * kMaxCandidates + j]);
+    }
+    float dots[kGroup];
+    rescore_dots(p, x_row, cols, dots, s_sum);
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (cols[g] < 0) continue;
+      const float z = p.bias != nullptr ? dots[g] + __ldg(p.bias + cols[g]) : dots[g];
+      const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
+      if (beats(v, cols[g], best.value, best.index)) best = Candidate{v, cols[g], z};
+    }
   }
   if (threadIdx.x == 0) {
     out[row] = static_cast<out_t>(best.value);
