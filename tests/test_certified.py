@@ -57,11 +57,12 @@ def test_certified_forward_matches_float64(
     z64 = x.double() @ weight.double().t() + bias.double()
     v64 = (torch.nn.functional.gelu(z64) * scale).max(dim=1).values
     assert _relative_error(out, v64) <= 1e-6
-    assert bool(((counts >= 1) & (counts <= 32) | (counts == -1)).all())
+    assert bool(((counts >= 1) & (counts <= 64) | (counts == -1)).all())
     if (batch, in_features, pooled) == (1024, 8192, 512) and scale == 2.0:
-        # DESIGN.md's simulation of this bound on this data: 4.8 candidates per row, 23 at most.
+        # A CPU simulation of this bound on data like this: 5.6 candidates per row on average,
+        # 99.9% of rows at most 31 (DESIGN.md's, on x ~ U(0, 1): 4.8, at most 23).
         assert float(counts.float().mean()) <= 12, counts.float().mean()
-        assert int((counts == -1).sum()) == 0
+        assert int((counts == -1).sum()) <= 2
 
 
 def test_certified_forward_is_bitwise_deterministic(certified, make_inputs):
@@ -99,12 +100,12 @@ def test_near_ties_one_ulp_apart(certified, make_inputs, check_forward):
 
 
 def test_all_columns_equal_rescore_the_whole_row(certified, make_inputs, check_forward):
-    x, weight, bias = make_inputs(64, 512, 48, torch.float32, DEVICE)
+    x, weight, bias = make_inputs(64, 512, 96, torch.float32, DEVICE)
     weight[:] = weight[0]
     bias[:] = bias[0]
     out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    assert bool((counts == -1).all())  # 48 candidates > 32: every column is rescored
+    assert bool((counts == -1).all())  # 96 candidates > 64: every column is rescored
     assert bool((argmax == 0).all())
 
 

@@ -275,7 +275,9 @@ __global__ void __launch_bounds__(kEpilogueThreads)
 
 namespace certified {
 
-constexpr int kMaxCandidates = 32;
+// Candidates kept per row; a row with more is rescored whole (a CPU simulation of the bound on the
+// default shape: 5.6 per row, 99.9% of rows at most 31).
+constexpr int kMaxCandidates = 64;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // gelu's minimum, at x0 = -0.75179152469...: floats just below and above x0, and one below
