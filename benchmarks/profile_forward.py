@@ -49,7 +49,8 @@ def profile(batch, in_features, pooled, calls):
 
 
 def short_name(name):
-    for known in ("wgmma_splitk", "tf32x3_splitk", "simt_splitk", "argmax_epilogue"):
+    for known in ("wgmma_splitk", "tf32x3_splitk", "simt_splitk", "argmax_epilogue",
+                  "select_candidates", "rescore_kernel"):
         if known in name:
             return known
     return name[:40]
