@@ -80,6 +80,13 @@ constexpr int kWgStages = 4;
 // barrier). No deadlock while lookahead <= kWgStages - 1: consumers free tile kt - kWgStages once
 // they hold tile kt - kWgStages + 1, released by then. (With the old order, kWgStages - 1 hung.)
 constexpr int kWgLookahead = 2;
+// Single pass: K tiles per tensor-core accumulation chain (8 x 32 = 256 products), between two
+// flushes of the accumulator into float32 registers. Longer chains save drains of the tensor
+// pipe but widen the certified bound (forward.cu): at 256 its accumulation term is ~2^-15 of
+// ||x|| ||w||, next to the operands' 2^-9; without flushes it would be ~2 K 2^-23 (2^-9 at
+// K = 8192), and the default shape would send ~8.7 columns per row to the rescoring, not ~3.6
+// (benchmarks/simulate_certified.py).
+constexpr int kWgFlushTiles = 8;
 constexpr int kWgMmaK = 8;
 constexpr int kWgKSteps = kWgBlockK / kWgMmaK;  // 4
 constexpr int kWgAccum = kWgBlockN / 2;          // 64 m64n128 accumulator floats per thread
@@ -394,32 +401,41 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
       if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
     }
   } else {
-    // Single pass: one accumulator over the whole split, no per-tile flush (its rounding is
-    // covered by the selection's error bound), so the tensor pipe never drains between tiles:
-    // tile kt's wgmmas are issued before tile kt - 1's are waited for, and the A register set of
-    // tile kt - 1 is refilled with tile kt + 1's fragments only after that wait.
+    // Single pass: the tensor pipe drains only once per kWgFlushTiles tiles, where the
+    // accumulator is added into `total` (the error bound of the selection models the tensor
+    // core's accumulation over one such group). Inside a group, tile kt's wgmmas are issued
+    // before tile kt - 1's are waited for, and the A register set of tile kt - 1 is refilled with
+    // tile kt + 1's fragments only after that wait.
     auto run_tile = [&](int kt, auto set_constant) {
       constexpr int kSet = decltype(set_constant)::value;
       const uint32_t w_big = smem_base + kWgBigOffset + (kt % kWgStages) * kWgWeightTileBytes;
-      wgmma_fence();
+      const bool group_start = kt % kWgFlushTiles == 0;
+      const bool group_end = (kt + 1) % kWgFlushTiles == 0 || kt + 1 == num_k_tiles;
+      wgmma_fence();  // the A registers (ldmatrix) and acc (the last flush) were written normally
 #pragma unroll
       for (int kk = 0; kk < kWgKSteps; ++kk) {
-        wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk), true);
+        wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk),
+                             !(group_start && kk == 0));
       }
       wgmma_commit();
       if (sum_w_squares) add_w_squares(kt);
-      wgmma_wait_one();
+      if (group_end) {
+        wgmma_wait_all();
+      } else {
+        wgmma_wait_one();
+      }
       if (kt > 0) mbarrier_arrive(empty_barrier + 8 * ((kt - 1) % kWgStages));
       if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
+      if (group_end) {
+#pragma unroll
+        for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
+      }
     };
     if (num_k_tiles > 0) load_x_fragments(0, 0);
     for (int kt = 0; kt < num_k_tiles; kt += 2) {
       run_tile(kt, std::integral_constant<int, 0>{});
       if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
     }
-    wgmma_wait_all();
-#pragma unroll
-    for (int i = 0; i < kWgAccum; ++i) total[i] = acc[i];
 
     if (sum_x_squares) {
       // The 4 lanes of a quad (t = lane % 4) hold different columns of the same two rows.
