@@ -99,6 +99,26 @@ def test_near_ties_one_ulp_apart(certified, make_inputs, check_forward):
     assert bool(((argmax == 3) | (argmax == 9)).all())
 
 
+def test_tf32_reverses_the_order_and_the_rescoring_restores_it(certified, check_forward):
+    # v = 1 + 2^-10 - 2^-23 has all 13 low mantissa bits set: TF32 truncation loses 2^-10 of it.
+    # Column 0 meets x = +v (its z underestimated by ~512 2^-9), column 1 meets x = -v (its
+    # negative z overestimated by as much), and column 1's bias leaves it 1.0 behind column 0 in
+    # exact arithmetic, 1.0 ahead in TF32. Both must stay candidates and column 0 must win.
+    m = 512
+    v = 1 + 2**-10 - 2**-23
+    x = torch.tensor([v] * m + [-v] * m, device=DEVICE).expand(64, 2 * m).contiguous()
+    weight = torch.zeros(8, 2 * m, device=DEVICE)
+    weight[0, :m] = v
+    weight[1, m:] = v
+    bias = torch.full((8,), -100.0, device=DEVICE)
+    bias[0] = 0.0
+    bias[1] = 2 * m * v * v - m * 2**-9
+    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    assert bool((argmax == 0).all())
+    assert bool((counts == 2).all())
+
+
 def test_all_columns_equal_rescore_the_whole_row(certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(64, 512, 96, torch.float32, DEVICE)
     weight[:] = weight[0]
