@@ -472,6 +472,9 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
     w_rows[g] = reinterpret_cast<const float4*>(p.w + (cols[g] < 0 ? 0 : cols[g]) * p.ldw);
     dots[g] = 0.f;
   }
+  // Unrolled so that each thread has several iterations' loads in flight: a CTA rescoring one
+  // row is latency-bound otherwise (~8 dependent round trips to L2 per group at K = 8192).
+#pragma unroll 4
   for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
     const float4 a = __ldg(x_row + i);
 #pragma unroll

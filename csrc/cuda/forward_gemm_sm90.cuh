@@ -419,17 +419,18 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
       }
       wgmma_commit();
       if (sum_w_squares) add_w_squares(kt);
+      // The flush reads acc right after the wait for all groups, in the same branch: ptxas
+      // serializes every wgmma of the kernel (warning C7514) when a read of the accumulator
+      // could follow a path that left a group in flight.
       if (group_end) {
         wgmma_wait_all();
+#pragma unroll
+        for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
       } else {
         wgmma_wait_one();
       }
       if (kt > 0) mbarrier_arrive(empty_barrier + 8 * ((kt - 1) % kWgStages));
       if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
-      if (group_end) {
-#pragma unroll
-        for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
-      }
     };
     if (num_k_tiles > 0) load_x_fragments(0, 0);
     for (int kt = 0; kt < num_k_tiles; kt += 2) {
