@@ -597,8 +597,6 @@ struct DeviceInfo {
 #define FPG_WITH_SM90A 0
 #endif
 
-// FUSED_POOL_GELU_FORCE_MMA_SYNC=1 runs the portable mma.sync GEMM on Hopper too (tests of that
-// path on an H200, debugging). Read at each call, so a test can flip it in-process.
 // FUSED_POOL_GELU_CERTIFIED=1 takes the certified single pass where it applies (experimental: see
 // the section above and use_certified). Read at each call, like the switch below.
 bool certified_requested() {
@@ -606,6 +604,8 @@ bool certified_requested() {
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
 }
 
+// FUSED_POOL_GELU_FORCE_MMA_SYNC=1 runs the portable mma.sync GEMM on Hopper too (tests of that
+// path on an H200, debugging). Read at each call, so a test can flip it in-process.
 bool force_mma_sync() {
   const char* value = std::getenv("FUSED_POOL_GELU_FORCE_MMA_SYNC");
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
