@@ -1,0 +1,328 @@
+// Certified single pass (FUSED_POOL_GELU_CERTIFIED=1, sm_90a, float32; issue #4, plan in
+// benchmarks/NOTES.md): a single-pass TF32 GEMM gives every z[b, n] up to a proven error bound;
+// only the columns that may still hold the row's maximum are recomputed in float32.
+//
+// The bound. z = x . w + bias over K; pass 1 computes z~ = sum over splits s of the tensor core's
+// sum of tf32(x_i) tf32(w_i) over the split's K range, plus bias, in float32.
+//  1. Operands: the tensor core reads the top 19 bits of a float32 (truncation, or rounding; both
+//     give a relative error below 2^-10 for normal numbers). A subnormal operand may be flushed:
+//     absolute error below 2^-126. So |x w - tf32(x) tf32(w)| <= (2^-9 + 2^-20) |x| |w|
+//     + 2^-126 (|x| + |w|) + 2^-252.
+//  2. Products of two 11-bit significands are exact in float32; a product below 2^-126 may be
+//     flushed: 2^-126 each.
+//  3. Tensor-core accumulation. Model (DESIGN.md; Fasi et al. 2021 measured tensor cores aligning
+//     the addends to the largest exponent and truncating): one k8 step adds its 8 products to the
+//     accumulator with an error below 10 u (|acc| + sum |p|), u = 2^-23 (9 aligned addends, one
+//     normalization), plus 2^-126 for a flushed subnormal. Pass 1 flushes the accumulator into
+//     float32 registers every 256 products (kWgFlushTiles), so a chain of 32 steps errs by at
+//     most g_tc = 10 (32 + 1) u times the sum of its products' magnitudes.
+//  4. Float32 additions (round to nearest, no flush): the chains' results, the S split partials
+//     and the bias, at most K / 256 + S + 2 deep: g_sum = gamma_{K/256 + S + 2}(2^-24), with
+//     gamma_m(u) = m u / (1 - m u).
+//  Summing, with g = g_tc (1 + g_sum) + g_sum: |z~ - z| <= c_rel sum |x_i| |w_i| + g_sum |bias|
+//     + 2^-126 (2 K + S + 2) + 2^-126 (||x||_1 + ||w||_1),  c_rel = (2^-9 + 2^-20)(1 + g) + g,
+//  and Cauchy-Schwarz: sum |x_i||w_i| <= ||x||_2 ||w||_2, ||v||_1 <= sqrt(K) ||v||_2. The norms
+//  come from pass 1 (sums of squares in float32, round to nearest, no flush-to-zero: relative
+//  error below gamma' = (K + S) 2^-24 / (1 - (K + S) 2^-24) plus 2^-149 per term lost in the
+//  subnormal range), taken as sqrt(sum + (K + S) 2^-148) (1 + gamma' + 2^-22).
+// The float32 rescoring (one FMA chain per thread, then a tree: depth below K + 32) errs by at
+// most rho (||x|| ||w|| + |bias|), rho = gamma_{K + 32}(2^-24): the rescored z lies within
+// E = bound + rescoring error of z~. Every constant comes from the host in double, rounded up.
+//
+// Selection. gelu decreases on (-inf, x0] and increases on [x0, inf), x0 = -0.7517915...: over
+// [z~ - E, z~ + E] its minimum is at the end nearer x0 (or gelu(x0) when x0 is inside), its
+// maximum at one end. Widened by 2^-16 (|g| + |a| + |b|) + 2^-126 to cover float32 gelu's own
+// error at both the ends and the rescored point, and scaled with directed rounding (ends swapped
+// for s < 0), this gives [lo_n, hi_n] holding the value the rescoring will compute for column n.
+// Candidates: the columns with hi_n >= M = max_n lo_n. Any other column's computed value would
+// be below M, which the column attaining M reaches: it cannot be the winner, so the answer is
+// the one rescoring every column would give (same torch.max rule on NaN and ties). A row with a
+// non-finite z~, bound or value end, with ||x|| ||w|| >= 2^120 somewhere (where float32 sums
+// could overflow), or with more than kMaxCandidates candidates, is rescored entirely.
+//
+// Pass 1 is forward_gemm_sm90.cuh's kernel with kPasses = 1; the host side (the bound's constants,
+// the launches, use_certified) is in forward.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "common.cuh"
+#include "row_max.cuh"
+
+namespace fused_pool_gelu {
+namespace cuda {
+
+
+namespace certified {
+
+// Split partials loaded before they are added: as the main epilogue's kEpilogueSplitBatch.
+constexpr int kSplitBatch = 8;
+// Candidates kept per row; a row with more is rescored whole (benchmarks/simulate_certified.py,
+// default shape: 3.6 per row on average, 99.9% of rows at most ~21).
+constexpr int kMaxCandidates = 64;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// gelu's minimum, at x0 = -0.75179152469...: floats just below and above x0, and one below
+// gelu(x0) = -0.16997120748...
+constexpr float kGeluX0Below = -0.7517916f;
+constexpr float kGeluX0Above = -0.7517915f;
+constexpr float kGeluMinLower = -0.1699713f;
+
+// Constants of the bound (see above), each a float32 at or above its exact value.
+struct Bound {
+  float relative;         // c_rel
+  float bias;             // g_sum
+  float absolute;         // 2^-126 (2 K + S + 2)
+  float per_norm;         // 2^-126 sqrt(K): multiplies ||x|| + ||w||
+  float squares_floor;    // (K + S) 2^-148, added to a sum of squares
+  float norm_slack;       // 1 + gamma' + 2^-22
+  float rescore;          // rho
+};
+
+struct SelectParams {
+  const float* partial;   // [splits, batch, n]
+  int64_t split_stride;
+  int splits;
+  const float* x_sumsq;   // [splits, batch]
+  const float* w_sumsq;   // [splits, n]
+  const float* bias;      // [n] or nullptr
+  float scale;            // finite and non-zero (the host checks)
+  int64_t batch;
+  int64_t n;
+  Bound bound;
+  int* count;             // [batch]: candidates, or -1: rescore every column
+  int* candidates;        // [batch, kMaxCandidates]
+};
+
+__device__ __forceinline__ float norm_from_squares(const float* sumsq, int64_t stride, int splits,
+                                                   const Bound& c) {
+  float sum = c.squares_floor;
+  for (int s = 0; s < splits; ++s) sum += __ldg(sumsq + s * stride);
+  return __fmul_ru(__fsqrt_ru(sum), c.norm_slack);
+}
+
+// z~ and its bound E for one column; false when either is not finite or the norms are too large
+// for the analysis.
+__device__ __forceinline__ bool column_interval(const SelectParams& p, const float* row_partial,
+                                               int64_t col, float x_norm, float& z, float& e) {
+  z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
+  const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
+  z += b;
+  const float w_norm = norm_from_squares(p.w_sumsq + col, p.n, p.splits, p.bound);
+  const float product = __fmul_ru(x_norm, w_norm);
+  e = __fmaf_ru(p.bound.relative, product,
+                __fmaf_ru(p.bound.bias, fabsf(b),
+                          __fmaf_ru(p.bound.per_norm, __fadd_ru(x_norm, w_norm),
+                                    p.bound.absolute)));
+  e = __fadd_ru(e, __fmul_ru(p.bound.rescore, __fadd_ru(product, fabsf(b))));
+  // Below 2^120 no partial sum of pass 1 or of the rescoring (each at most ~||x|| ||w||) can
+  // overflow, which the error analysis assumes.
+  return isfinite(z) && isfinite(e) && product < 0x1p120f;
+}
+
+__device__ __forceinline__ float widen(float g, float a, float b) {
+  return 0x1p-16f * (fabsf(g) + fabsf(a) + fabsf(b)) + 0x1p-126f;
+}
+
+// [lo, hi] of scale * gelu over [z - e, z + e] as float32 computes it (see above).
+__device__ __forceinline__ void value_interval(float z, float e, float scale, float& lo,
+                                               float& hi) {
+  const float a = __fsub_rd(z, e);
+  const float b = __fadd_ru(z, e);
+  const float ga = gelu(a);
+  const float gb = gelu(b);
+  float g_lo = b <= kGeluX0Below ? gb : (a >= kGeluX0Above ? ga : kGeluMinLower);
+  float g_hi = fmaxf(ga, gb);
+  g_lo = __fsub_rd(g_lo, widen(g_lo, a, b));
+  g_hi = __fadd_ru(g_hi, widen(g_hi, a, b));
+  if (scale > 0.f) {
+    lo = __fmul_rd(scale, g_lo);
+    hi = __fmul_ru(scale, g_hi);
+  } else {
+    lo = __fmul_rd(scale, g_hi);
+    hi = __fmul_ru(scale, g_lo);
+  }
+}
+
+// [lo, hi] for one column; false when z~, its bound or either end is not finite (an overflow in
+// the bound or in gelu * scale included): the row is then rescored whole, never compared with a
+// NaN.
+__device__ __forceinline__ bool column_value_interval(const SelectParams& p,
+                                                      const float* row_partial, int64_t col,
+                                                      float x_norm, float& lo, float& hi) {
+  float z, e;
+  if (!column_interval(p, row_partial, col, x_norm, z, e)) return false;
+  value_interval(z, e, p.scale, lo, hi);
+  return isfinite(lo) && isfinite(hi);
+}
+
+// Block-wide max (and OR of a flag) over kThreads threads; every thread gets the result.
+__device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, int* s_flag) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  const bool any = __any_sync(0xffffffffu, flag);
+  if (lane == 0) {
+    s_value[warp] = v;
+    s_flag[warp] = any;
+  }
+  __syncthreads();
+  v = s_value[0];
+  flag = s_flag[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    v = fmaxf(v, s_value[w]);
+    flag = flag || s_flag[w];
+  }
+  return v;
+}
+
+// One CTA per row.
+__global__ void __launch_bounds__(kThreads) select_candidates_kernel(const SelectParams p) {
+  wait_for_gemm();
+  __shared__ float s_value[kWarps];
+  __shared__ int s_flag[kWarps];
+  __shared__ int s_count;
+  const int64_t row = blockIdx.x;
+  const float* row_partial = p.partial + row * p.n;
+  const float x_norm = norm_from_squares(p.x_sumsq + row, p.batch, p.splits, p.bound);
+  if (threadIdx.x == 0) s_count = 0;
+
+  float best_lower = -INFINITY;
+  bool whole_row = false;
+  for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
+    float lo, hi;
+    if (!column_value_interval(p, row_partial, col, x_norm, lo, hi)) {
+      whole_row = true;
+      continue;
+    }
+    best_lower = fmaxf(best_lower, lo);
+  }
+  best_lower = block_max(best_lower, whole_row, s_value, s_flag);
+
+  if (!whole_row) {
+    // The same arithmetic as above, so each column gets the same interval again.
+    for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
+      float lo, hi;
+      column_value_interval(p, row_partial, col, x_norm, lo, hi);
+      if (hi >= best_lower) {
+        const int slot = atomicAdd(&s_count, 1);
+        if (slot < kMaxCandidates) {
+          p.candidates[row * kMaxCandidates + slot] = static_cast<int>(col);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) p.count[row] = whole_row || s_count > kMaxCandidates ? -1 : s_count;
+}
+
+struct RescoreParams {
+  const float* x;         // [batch, k_padded] rows of stride ldx (zero-padded past K)
+  int64_t ldx;
+  const float* w;         // [n, k_padded], stride ldw
+  int64_t ldw;
+  int64_t k4;             // k_padded / 4
+  const float* bias;      // [n] or nullptr
+  float scale;
+  int64_t batch;
+  int64_t n;
+  const int* count;
+  const int* candidates;
+};
+
+// Columns rescored together: one read of x feeds kGroup dot products, and kGroup weight rows are
+// in flight per thread.
+constexpr int kGroup = 4;
+
+// x[row] . w[col] in float32 for up to kGroup columns (cols[g] < 0: none): per thread an FMA chain
+// over every 256th group of 4 floats, then the threads' sums in a fixed tree. Every column's
+// arithmetic is the same whichever slot or group it is in (deterministic, and the same function
+// for every column, which the selection's argument needs).
+__device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float4* x_row,
+                                             const int64_t (&cols)[kGroup], float (&dots)[kGroup],
+                                             float (*s_sum)[kWarps]) {
+  const float4* w_rows[kGroup];
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+    // An empty slot reads weight row 0 (always there): no branch in the loop, result discarded.
+    w_rows[g] = reinterpret_cast<const float4*>(p.w + (cols[g] < 0 ? 0 : cols[g]) * p.ldw);
+    dots[g] = 0.f;
+  }
+  // Unrolled so that each thread has several iterations' loads in flight: a CTA rescoring one
+  // row is latency-bound otherwise (~8 dependent round trips to L2 per group at K = 8192).
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
+    const float4 a = __ldg(x_row + i);
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const float4 b = __ldg(w_rows[g] + i);
+      dots[g] = fmaf(a.x, b.x, dots[g]);
+      dots[g] = fmaf(a.y, b.y, dots[g]);
+      dots[g] = fmaf(a.z, b.z, dots[g]);
+      dots[g] = fmaf(a.w, b.w, dots[g]);
+    }
+  }
+  const int warp = threadIdx.x / 32;
+  __syncthreads();  // s_sum is reused by the next group
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+#pragma unroll
+    for (int mask = 16; mask >= 1; mask /= 2) {
+      dots[g] += __shfl_xor_sync(0xffffffffu, dots[g], mask);
+    }
+    if (threadIdx.x % 32 == 0) s_sum[g][warp] = dots[g];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < kGroup; ++g) {
+    dots[g] = s_sum[g][0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) dots[g] += s_sum[g][w];
+  }
+}
+
+// One CTA per row: the candidates' float32 z, then the arg-max with torch.max's rule.
+template <typename out_t>
+__global__ void __launch_bounds__(kThreads)
+    rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
+                   out_t* __restrict__ preactivation) {
+  wait_for_gemm();  // the selection's writes
+  __shared__ float s_sum[kGroup][kWarps];
+  const int64_t row = blockIdx.x;
+  const float4* x_row = reinterpret_cast<const float4*>(p.x + row * p.ldx);
+  const int count = p.count[row];
+  const int64_t columns = count < 0 ? p.n : count;
+  Candidate best{-INFINITY, p.n, 0.f};
+  for (int64_t j0 = 0; j0 < columns; j0 += kGroup) {
+    int64_t cols[kGroup];
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int64_t j = j0 + g;
+      cols[g] = j >= columns ? -1 : (count < 0 ? j : p.candidates[row * kMaxCandidates + j]);
+    }
+    float dots[kGroup];
+    rescore_dots(p, x_row, cols, dots, s_sum);
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (cols[g] < 0) continue;
+      const float z = p.bias != nullptr ? dots[g] + __ldg(p.bias + cols[g]) : dots[g];
+      const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
+      if (beats(v, cols[g], best.value, best.index)) best = Candidate{v, cols[g], z};
+    }
+  }
+  if (threadIdx.x == 0) {
+    out[row] = static_cast<out_t>(best.value);
+    argmax[row] = best.index;
+    preactivation[row] = static_cast<out_t>(best.z);
+  }
+}
+
+}  // namespace certified
+
+}  // namespace cuda
+}  // namespace fused_pool_gelu

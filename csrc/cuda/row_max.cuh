@@ -1,0 +1,75 @@
+// The row-max pieces shared by the forward's epilogues (forward.cu's argmax_epilogue_kernel and
+// the certified path's kernels, forward_certified.cuh): torch.max's ordering of (value, index)
+// candidates, a warp's arg-max, the split-K partial sums of one output, and the programmatic
+// dependent launch wait.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fused_pool_gelu {
+namespace cuda {
+
+// Does candidate a beat candidate b under torch.max's rule? NaN beats every number; between two
+// NaNs, or two equal numbers, the smaller index wins.
+__device__ __forceinline__ bool beats(float va, int64_t ia, float vb, int64_t ib) {
+  const bool a_nan = isnan(va);
+  const bool b_nan = isnan(vb);
+  if (a_nan || b_nan) return a_nan && (!b_nan || ia < ib);
+  return va > vb || (va == vb && ia < ib);
+}
+
+struct Candidate {
+  float value;
+  int64_t index;  // n; the sentinel N (loses to every real column) when empty
+  float z;
+
+  __device__ __forceinline__ void take_if_better(const Candidate& o) {
+    if (beats(o.value, o.index, value, index)) *this = o;
+  }
+  __device__ __forceinline__ Candidate shfl_xor(int mask) const {
+    return Candidate{__shfl_xor_sync(0xffffffffu, value, mask),
+                     static_cast<int64_t>(__shfl_xor_sync(
+                         0xffffffffu, static_cast<long long>(index), mask)),
+                     __shfl_xor_sync(0xffffffffu, z, mask)};
+  }
+};
+
+// Butterfly max over the warp: `beats` is a strict total order on distinct indices, so every
+// lane ends with the same winner.
+__device__ __forceinline__ Candidate warp_argmax(Candidate c) {
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask /= 2) c.take_if_better(c.shfl_xor(mask));
+  return c;
+}
+
+// z = partial[0][col] + partial[1][col] + ... (split order), loads issued kBatch at a time.
+template <int kBatch>
+__device__ __forceinline__ float sum_splits(const float* p, int64_t stride, int splits) {
+  if (splits == 0) return 0.f;
+  float z = __ldg(p);
+  int s = 1;
+  for (; s + kBatch <= splits; s += kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) v[i] = __ldg(p + (s + i) * stride);
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) z += v[i];
+  }
+  for (; s < splits; ++s) z += __ldg(p + s * stride);
+  return z;
+}
+
+// Programmatic dependent launch (sm_90+): the GEMM lets the epilogue launch as soon as all its CTAs
+// are running, and the epilogue waits here until the GEMM has completed and its partial sums are
+// visible. The epilogue's launch then overlaps the GEMM instead of following it. Elsewhere both
+// are no-ops (the host launches without the attribute there).
+__device__ __forceinline__ void wait_for_gemm() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+}  // namespace cuda
+}  // namespace fused_pool_gelu
