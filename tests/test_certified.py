@@ -18,10 +18,13 @@ DEVICE = "cuda"
 _OPS = torch.ops.fused_pool_gelu
 
 
-@pytest.fixture
-def certified(monkeypatch):
-    """Turns the certified path on; skips where it cannot run (it needs wgmma: sm_90a)."""
+@pytest.fixture(params=["cp_async", "tma_multicast"])
+def certified(request, monkeypatch):
+    """Turns the certified path on, its pass 1 loading with cp.async or with TMA multicast across
+    CTA clusters (FUSED_POOL_GELU_MULTICAST); skips where it cannot run (it needs wgmma: sm_90a)."""
     monkeypatch.setenv("FUSED_POOL_GELU_CERTIFIED", "1")
+    multicast = "1" if request.param == "tma_multicast" else "0"
+    monkeypatch.setenv("FUSED_POOL_GELU_MULTICAST", multicast)
     x = torch.rand(64, 8, device=DEVICE)
     w = torch.randn(4, 8, device=DEVICE)
     try:

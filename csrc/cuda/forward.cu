@@ -22,6 +22,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -285,6 +287,7 @@ const DeviceInfo& device_info(int device) {
       if (attributes.binaryVersion == 90) {
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<3>, fg::kWgSmemBytes);
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1>, fg::kWgSmemBytes);
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1, true>, fg::kWgSmemBytes);
         info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel<3>,
                                                        fg::kWgThreads, fg::kWgSmemBytes);
       }
@@ -477,7 +480,8 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
                     static_cast<unsigned>(ceil_div(p.rows, int64_t{fg::kTcBlockM})),
                     static_cast<unsigned>(plan.splits));
     if (plan.wgmma) {
-      fg::tf32x3_wgmma_splitk_kernel<3><<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
+      fg::tf32x3_wgmma_splitk_kernel<3>
+          <<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p, fg::TmaMaps{});
     } else {
       fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
     }
@@ -566,6 +570,42 @@ bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor
          std::isfinite(scale) && scale != 0.0;
 }
 
+// FUSED_POOL_GELU_MULTICAST=1 (with FUSED_POOL_GELU_CERTIFIED=1): the certified pass 1 loads
+// with TMA and shares x tiles across clusters of CTAs (forward_gemm_sm90.cuh, kMulticast).
+bool multicast_requested() {
+  const char* value = std::getenv("FUSED_POOL_GELU_MULTICAST");
+  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+}
+
+// A 2-D fp32 tensor map over an operand's first `rows` rows and k_padded columns: boxes of 32
+// columns (128 bytes, the swizzle span) x box_rows rows, 128-byte swizzle, zeros out of bounds.
+// The driver's encoder is reached through the runtime (no link against libcuda).
+CUtensorMap tensor_map(const Operand& operand, int64_t rows, int64_t k_padded, int box_rows) {
+  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+  static const Encode encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
+                                                    cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr,
+                "fused_pool_gelu.forward: the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<Encode>(function);
+  }();
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_padded), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(operand.ld) * sizeof(float)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(fg::kWgBlockK),
+                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = encode(
+      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(operand.data), dims, strides,
+      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "fused_pool_gelu.forward: cuTensorMapEncodeTiled failed (",
+              static_cast<int>(result), ")");
+  return map;
+}
+
 cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStream_t stream,
                                            cudaLaunchAttribute& attribute) {
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -598,11 +638,35 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   fg::GemmParams gemm = gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
   gemm.x_sumsq = partial + splits * batch * n;
   gemm.w_sumsq = gemm.x_sumsq + splits * batch;
-  const dim3 grid(static_cast<unsigned>(ceil_div(n, int64_t{fg::kWgBlockN})),
-                  static_cast<unsigned>(ceil_div(batch, int64_t{fg::kWgBlockM})),
-                  static_cast<unsigned>(splits));
-  fg::tf32x3_wgmma_splitk_kernel<1><<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(gemm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t n_tiles = ceil_div(n, int64_t{fg::kWgBlockN});
+  const unsigned m_tiles = static_cast<unsigned>(ceil_div(batch, int64_t{fg::kWgBlockM}));
+  if (multicast_requested()) {
+    // Clusters of kWgCluster CTAs along n: the grid's x is padded to a multiple of it (the extra
+    // CTAs load zeros for their weight rows and store nothing).
+    const fg::TmaMaps maps{tensor_map(x, batch, k_padded, fg::kWgXQuarterRows),
+                           tensor_map(w, n, k_padded, fg::kWgBlockN)};
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = fg::kWgCluster;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(ceil_div(n_tiles, int64_t{fg::kWgCluster}) *
+                                                fg::kWgCluster),
+                          m_tiles, static_cast<unsigned>(splits));
+    config.blockDim = dim3(fg::kWgThreads);
+    config.dynamicSmemBytes = fg::kWgSmemBytes;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(
+        cudaLaunchKernelEx(&config, fg::tf32x3_wgmma_splitk_kernel<1, true>, gemm, maps));
+  } else {
+    const dim3 grid(static_cast<unsigned>(n_tiles), m_tiles, static_cast<unsigned>(splits));
+    fg::tf32x3_wgmma_splitk_kernel<1>
+        <<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(gemm, fg::TmaMaps{});
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 
   certified::SelectParams select{};
   select.partial = partial;

@@ -41,6 +41,7 @@
 // loads its fragments into the second register set.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a plain struct: no driver library needed at link time)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -87,6 +88,12 @@ constexpr int kWgLookahead = 2;
 // K = 8192), and the default shape would send ~8.7 columns per row to the rescoring, not ~3.6
 // (benchmarks/simulate_certified.py).
 constexpr int kWgFlushTiles = 8;
+// Multicast (single pass, FUSED_POOL_GELU_MULTICAST=1): clusters of the kWgCluster CTAs of one m
+// tile along n share its x tile: each loads a quarter of it with TMA, multicast to all of them,
+// so each CTA reads 16 KB (its weight tile) + 4 KB from L2 per K tile instead of 32 KB.
+constexpr int kWgCluster = 4;
+constexpr int kWgXQuarterRows = kWgBlockM / kWgCluster;        // 32
+constexpr int kWgXQuarterBytes = kWgXQuarterRows * kWgBlockK * 4;  // 4 KB, swizzled like weights
 constexpr int kWgMmaK = 8;
 constexpr int kWgKSteps = kWgBlockK / kWgMmaK;  // 4
 constexpr int kWgAccum = kWgBlockN / 2;          // 64 m64n128 accumulator floats per thread
@@ -170,6 +177,67 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity)
       : "memory");
 }
 
+// Cluster pieces of the multicast producer (PTX ISA: cp.async.bulk.tensor, mbarrier, mapa).
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// Every thread of every CTA of the cluster: barrier inits visible cluster-wide before use, and no
+// CTA leaving while the others may still write into its shared memory or arrive on its barriers.
+__device__ __forceinline__ void cluster_sync() {
+  __syncwarp();  // the .aligned forms need the whole warp converged
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier),
+               "r"(bytes)
+               : "memory");
+}
+// Arrives on the barrier at the same shared-memory offset in cluster CTA `rank`.
+__device__ __forceinline__ void mbarrier_arrive_in_cta(uint32_t barrier, uint32_t rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(barrier),
+      "r"(rank)
+      : "memory");
+}
+// mbarrier_wait with cluster-scope acquire: the arrivals came from other CTAs' consumers.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint32_t barrier, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_CLUSTER:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_CLUSTER;\n}\n" ::"r"(barrier),
+      "r"(parity)
+      : "memory");
+}
+// Box (coordinates: K, row) of a 2-D tensor map into shared memory, completing on `barrier`; the
+// multicast form writes the same offset in every CTA of `cta_mask` and completes on each one's
+// barrier at the same offset.
+__device__ __forceinline__ void tma_load(uint32_t destination, const CUtensorMap* map, int32_t k,
+                                         int32_t row, uint32_t barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(destination),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(barrier)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_multicast(uint32_t destination, const CUtensorMap* map,
+                                                   int32_t k, int32_t row, uint32_t barrier,
+                                                   uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(destination),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(barrier), "h"(cta_mask)
+      : "memory");
+}
+
 // Moves this warpgroup's per-thread register allocation to kCount (all its warps must execute it).
 template <bool kIncrease, int kCount>
 __device__ __forceinline__ void set_max_registers() {
@@ -208,11 +276,23 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[kWgAccum], const
 
 #endif  // FPG_WGMMA_DEVICE_CODE
 
+// The multicast kernel's tensor maps, fp32 with the 128-byte swizzle: x (box 32 K x 32 rows, a
+// quarter tile) and the weight (box 32 K x 128 rows), over the same operands as GemmParams' x and
+// w. Unused (zeros) by the other instantiations.
+struct TmaMaps {
+  CUtensorMap x;
+  CUtensorMap w;
+};
+
 // kPasses = 3: 3xTF32 (float32-accurate); kPasses = 1: one TF32 wgmma per K step on the raw fp32
 // operands (the tensor core reads their top 19 bits), no split: the certified first pass.
-template <int kPasses>
-__global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(const GemmParams p) {
+// kMulticast (single pass only): TMA loads, x shared by a cluster of kWgCluster CTAs along n (the
+// grid's x dimension is then a multiple of kWgCluster, launched as clusters of that size).
+template <int kPasses, bool kMulticast = false>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    tf32x3_wgmma_splitk_kernel(const GemmParams p, const __grid_constant__ TmaMaps maps) {
   static_assert(kPasses == 1 || kPasses == 3, "3xTF32 or single-pass TF32");
+  static_assert(!kMulticast || kPasses == 1, "multicast feeds the single pass only");
 #if FPG_WGMMA_DEVICE_CODE
   allow_dependent_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -233,19 +313,48 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
   const int64_t k_end = min(k_begin + p.k_per_split, p.k);
   const int num_k_tiles = static_cast<int>(ceil_div(k_end - k_begin, int64_t{kWgBlockK}));
 
+  // Full: the producer threads arrive (cp.async), or the one TMA-issuing thread with the bytes it
+  // expects. Empty: every consumer thread of every CTA whose shared memory the stage's loads fill.
   if (tid == 0) {
     for (int s = 0; s < kWgStages; ++s) {
-      mbarrier_init(full_barrier + 8 * s, kWgProducerThreads);
-      mbarrier_init(empty_barrier + 8 * s, 32 * kWgConsumerWarps);
+      mbarrier_init(full_barrier + 8 * s, kMulticast ? 1 : kWgProducerThreads);
+      mbarrier_init(empty_barrier + 8 * s, (kMulticast ? kWgCluster : 1) * 32 * kWgConsumerWarps);
     }
+    if constexpr (kMulticast) fence_mbarrier_init();
   }
   __syncthreads();
+  if constexpr (kMulticast) cluster_sync();
 
   if (warp < kWgProducerThreads / 32) {
     // ---------------------------------------------------------------------------------------
     // Producer. Each thread splits exactly the weight chunks it loaded itself (the split is
     // elementwise), so waiting for its own cp.async groups is enough; no barrier among threads.
     set_max_registers<false, kWgProducerRegisters>();
+    if constexpr (kMulticast) {
+      if (tid == 0) {
+        const uint32_t rank = cluster_rank();
+        const int32_t x_row =
+            static_cast<int32_t>(m0) + static_cast<int32_t>(rank) * kWgXQuarterRows;
+        for (int kt = 0; kt < num_k_tiles; ++kt) {
+          const int stage = kt % kWgStages;
+          if (kt >= kWgStages) {
+            // Every consumer of the cluster is done with tile kt - S in this stage.
+            mbarrier_wait_cluster(empty_barrier + 8 * stage, ((kt / kWgStages) - 1) & 1);
+          }
+          const uint32_t full = full_barrier + 8 * stage;
+          // Own weight tile, plus the 4 x tile quarters that the cluster's CTAs multicast here.
+          mbarrier_arrive_expect_tx(full, kWgWeightTileBytes + kWgCluster * kWgXQuarterBytes);
+          const int32_t k = static_cast<int32_t>(k_begin) + kt * kWgBlockK;
+          tma_load(smem_base + kWgBigOffset + stage * kWgWeightTileBytes, &maps.w, k,
+                   static_cast<int32_t>(n0), full);
+          tma_load_multicast(
+              smem_base + kWgXOffset + stage * kWgXTileBytes + rank * kWgXQuarterBytes, &maps.x,
+              k, x_row, full, static_cast<uint16_t>((1u << kWgCluster) - 1));
+        }
+      }
+      cluster_sync();
+      return;
+    }
     const int row0 = tid / kWgChunksPerRow;
     const int chunk = tid % kWgChunksPerRow;
     auto issue_tile = [&](int k_tile) {
@@ -310,10 +419,27 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
   const int warpgroup = warp / 4 - 1;  // consumer index: x rows [64 c, 64 c + 64)
   const int warp_in_group = warp % 4;
   // ldmatrix.x4 lane l points at row (l & 7) + 8 ((l >> 3) & 1), column 4 (l >> 4) of the 16 x 8
-  // block: matrices = a0..a3 (see the mma.sync kernel's header comment).
-  const uint32_t a_frag_off =
-      ((warpgroup * 64 + warp_in_group * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kWgXLd +
-       4 * (lane >> 4)) * 4;
+  // block: matrices = a0..a3 (see the mma.sync kernel's header comment). The padded x tile (rows
+  // of kWgXLd floats) or, with TMA, the 128-byte-swizzled one (16-byte chunk c of row r at chunk
+  // position c ^ (r % 8); r % 8 = l % 8 here).
+  const int a_row = warpgroup * 64 + warp_in_group * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+  auto a_fragment_address = [&](uint32_t x_tile, int kk) -> uint32_t {
+    if constexpr (kMulticast) {
+      return x_tile + a_row * 128 + ((((lane >> 4) + 2 * kk) ^ (lane & 7)) << 4);
+    } else {
+      return x_tile + (a_row * kWgXLd + 4 * (lane >> 4) + kk * kWgMmaK) * 4;
+    }
+  };
+  auto release_stage = [&](int stage) {
+    if constexpr (kMulticast) {
+#pragma unroll
+      for (int rank = 0; rank < kWgCluster; ++rank) {
+        mbarrier_arrive_in_cta(empty_barrier + 8 * stage, rank);
+      }
+    } else {
+      mbarrier_arrive(empty_barrier + 8 * stage);
+    }
+  };
   // Two sets of A fragments: the wgmmas of a tile read their registers until they complete, while
   // the next tile's are loaded.
   uint32_t a_big[2][kWgKSteps][4];
@@ -332,7 +458,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
 #pragma unroll
     for (int kk = 0; kk < kWgKSteps; ++kk) {
       uint32_t r[4];
-      ldmatrix_x4(r, x_tile + a_frag_off + kk * kWgMmaK * 4);
+      ldmatrix_x4(r, a_fragment_address(x_tile, kk));
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if constexpr (kPasses == 3) {
@@ -429,7 +555,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
       } else {
         wgmma_wait_one();
       }
-      if (kt > 0) mbarrier_arrive(empty_barrier + 8 * ((kt - 1) % kWgStages));
+      if (kt > 0) release_stage((kt - 1) % kWgStages);
       if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
     };
     if (num_k_tiles > 0) load_x_fragments(0, 0);
@@ -478,6 +604,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
       }
     }
   }
+  if constexpr (kMulticast) cluster_sync();
 #else
   __trap();  // launched only where the sm_90a code exists (see the host check in forward.cu)
 #endif  // FPG_WGMMA_DEVICE_CODE
