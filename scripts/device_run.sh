@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build from source there, then the requested stages.
 #   scripts/device_run.sh build test test-cuda test-slow test-all test-certified sanitize profile
-#                         profile-certified profile-multicast bench-ours bench-forward bench-train
+#                         profile-certified bench-ours bench-forward bench-train
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -57,13 +57,8 @@ for stage in "$@"; do
         --durations=5 test_certified.py
       ;;
     profile-certified)
-      run_stage profile-certified /tmp env FUSED_POOL_GELU_CERTIFIED=1 python3 \
-        "$ROOT/benchmarks/profile_forward.py" --batches 128 1024 4096 --out "$OUT/profile-certified.json"
-      ;;
-    profile-multicast)
-      run_stage profile-multicast /tmp env FUSED_POOL_GELU_CERTIFIED=1 FUSED_POOL_GELU_MULTICAST=1 \
-        python3 "$ROOT/benchmarks/profile_forward.py" --batches 128 1024 4096 \
-        --out "$OUT/profile-multicast.json"
+      run_stage profile-certified /tmp python3 "$ROOT/benchmarks/profile_forward.py" \
+        --paths default certified multicast --batches 128 1024 4096 --out "$OUT/profile-certified.json"
       ;;
     profile)
       run_stage profile /tmp python3 "$ROOT/benchmarks/profile_forward.py" --out "$OUT/profile.json"

@@ -559,13 +559,15 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits) {
 }
 
 // Where the certified path applies: asked for, the wgmma kernel available, float32, a batch the
-// tensor-core GEMM serves in one launch and one workspace slice, a finite non-zero scale, and
-// K <= 2^20 (the bound's gamma terms stay far below 1).
+// tensor-core GEMM serves in one launch and one workspace slice, N <= kMaxSelectColumns (the
+// selection's shared memory), a finite non-zero scale, and K <= 2^20 (the bound's gamma terms
+// stay far below 1).
 bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
                    int64_t batch, int64_t n, int64_t k_padded, double scale) {
   return certified_requested() && info.wgmma_ctas_per_sm > 0 && !force_mma_sync() &&
          x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
          batch > kSimtMaxBatch && batch <= kMaxGridYZ * fg::kWgBlockM &&
+         n <= certified::kMaxSelectColumns &&
          rows_per_slice(batch, n) == batch && k_padded > 0 && k_padded <= (int64_t{1} << 20) &&
          std::isfinite(scale) && scale != 0.0;
 }
@@ -682,8 +684,9 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   select.count = selection.data_ptr<int>();
   select.candidates = select.count + batch;
   cudaLaunchAttribute attribute{};
-  const cudaLaunchConfig_t config =
+  cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, attribute);
+  config.dynamicSmemBytes = certified::select_smem_bytes(n);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::select_candidates_kernel, select));
   return selection;
 }
@@ -849,7 +852,8 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
               "fused_pool_gelu._certified_candidate_counts: the certified path does not apply "
               "here (it needs FUSED_POOL_GELU_CERTIFIED=1, an sm_90a build on a compute "
               "capability 9.0 GPU, float32, ", kSimtMaxBatch + 1, " <= batch, one workspace "
-              "slice, K <= 2^20 and a finite non-zero scale)");
+              "slice, N <= ", certified::kMaxSelectColumns,
+              ", K <= 2^20 and a finite non-zero scale)");
   at::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const Operand x_op = as_kernel_operand(x, k_padded);

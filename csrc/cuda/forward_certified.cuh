@@ -97,21 +97,22 @@ struct SelectParams {
   int* candidates;        // [batch, kMaxCandidates]
 };
 
+// The split sums of squares are loaded like the partials (kSplitBatch at a time): a chain of S
+// dependent loads per column made the first selection latency-bound (~60 us at B = 1024).
 __device__ __forceinline__ float norm_from_squares(const float* sumsq, int64_t stride, int splits,
                                                    const Bound& c) {
-  float sum = c.squares_floor;
-  for (int s = 0; s < splits; ++s) sum += __ldg(sumsq + s * stride);
+  const float sum = sum_splits<kSplitBatch>(sumsq, stride, splits) + c.squares_floor;
   return __fmul_ru(__fsqrt_ru(sum), c.norm_slack);
 }
 
 // z~ and its bound E for one column; false when either is not finite or the norms are too large
 // for the analysis.
 __device__ __forceinline__ bool column_interval(const SelectParams& p, const float* row_partial,
-                                               int64_t col, float x_norm, float& z, float& e) {
+                                               int64_t col, float x_norm, float w_norm, float& z,
+                                               float& e) {
   z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
   const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
   z += b;
-  const float w_norm = norm_from_squares(p.w_sumsq + col, p.n, p.splits, p.bound);
   const float product = __fmul_ru(x_norm, w_norm);
   e = __fmaf_ru(p.bound.relative, product,
                 __fmaf_ru(p.bound.bias, fabsf(b),
@@ -152,9 +153,10 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
 // NaN.
 __device__ __forceinline__ bool column_value_interval(const SelectParams& p,
                                                       const float* row_partial, int64_t col,
-                                                      float x_norm, float& lo, float& hi) {
+                                                      float x_norm, float w_norm, float& lo,
+                                                      float& hi) {
   float z, e;
-  if (!column_interval(p, row_partial, col, x_norm, z, e)) return false;
+  if (!column_interval(p, row_partial, col, x_norm, w_norm, z, e)) return false;
   value_interval(z, e, p.scale, lo, hi);
   return isfinite(lo) && isfinite(hi);
 }
@@ -181,44 +183,71 @@ __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, 
   return v;
 }
 
-// One CTA per row.
+// Columns the selection serves: its CTA keeps two floats per column in shared memory (the weight
+// rows' norms and the row's upper ends), 32 KB at this width; wider layers take the 3xTF32 path.
+constexpr int64_t kMaxSelectColumns = 4096;
+__host__ __device__ constexpr int select_smem_bytes(int64_t n) {
+  return static_cast<int>(2 * n * sizeof(float));
+}
+
+// One CTA per row, with every load it needs in flight together: the first version (a serial chain
+// of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
+// per row with batched loads left too few warps to hide the latency (65 us). Here the CTA first
+// puts every column's weight norm in shared memory (S split sums each, loaded in batches), then
+// computes each column's interval once, keeping its upper end in shared memory, and takes the
+// block max of the lower ends; the candidates are written in column order (ballots and the warps'
+// counts), so the selection is deterministic.
 __global__ void __launch_bounds__(kThreads) select_candidates_kernel(const SelectParams p) {
   wait_for_gemm();
+  extern __shared__ float s_columns[];
+  float* const s_w_norm = s_columns;        // [n]
+  float* const s_upper = s_columns + p.n;   // [n]
   __shared__ float s_value[kWarps];
   __shared__ int s_flag[kWarps];
-  __shared__ int s_count;
+  __shared__ int s_warp_count[kWarps];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
   const float* row_partial = p.partial + row * p.n;
+  for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
+    s_w_norm[col] = norm_from_squares(p.w_sumsq + col, p.n, p.splits, p.bound);
+  }
   const float x_norm = norm_from_squares(p.x_sumsq + row, p.batch, p.splits, p.bound);
-  if (threadIdx.x == 0) s_count = 0;
+  __syncthreads();
 
   float best_lower = -INFINITY;
   bool whole_row = false;
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
-    float lo, hi;
-    if (!column_value_interval(p, row_partial, col, x_norm, lo, hi)) {
-      whole_row = true;
-      continue;
-    }
+    float lo = -INFINITY, hi = INFINITY;
+    whole_row |= !column_value_interval(p, row_partial, col, x_norm, s_w_norm[col], lo, hi);
     best_lower = fmaxf(best_lower, lo);
+    s_upper[col] = hi;
   }
+  // Also the barrier after which every thread sees s_upper.
   best_lower = block_max(best_lower, whole_row, s_value, s_flag);
 
+  int count = 0;
   if (!whole_row) {
-    // The same arithmetic as above, so each column gets the same interval again.
-    for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
-      float lo, hi;
-      column_value_interval(p, row_partial, col, x_norm, lo, hi);
-      if (hi >= best_lower) {
-        const int slot = atomicAdd(&s_count, 1);
-        if (slot < kMaxCandidates) {
-          p.candidates[row * kMaxCandidates + slot] = static_cast<int>(col);
-        }
+    // Every thread runs every step (ballots, barriers); count is the same in all of them.
+    for (int64_t base = 0; base < p.n && count <= kMaxCandidates; base += kThreads) {
+      const int64_t col = base + threadIdx.x;
+      const bool candidate = col < p.n && s_upper[col] >= best_lower;
+      const unsigned ballot = __ballot_sync(0xffffffffu, candidate);
+      if (lane == 0) s_warp_count[warp] = __popc(ballot);
+      __syncthreads();
+      int slot = count + __popc(ballot & ((1u << lane) - 1u));
+      for (int w = 0; w < kWarps; ++w) {
+        const int warp_count = s_warp_count[w];
+        if (w < warp) slot += warp_count;
+        count += warp_count;
       }
+      if (candidate && slot < kMaxCandidates) {
+        p.candidates[row * kMaxCandidates + slot] = static_cast<int>(col);
+      }
+      __syncthreads();  // s_warp_count is rewritten by the next step
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) p.count[row] = whole_row || s_count > kMaxCandidates ? -1 : s_count;
+  if (threadIdx.x == 0) p.count[row] = whole_row || count > kMaxCandidates ? -1 : count;
 }
 
 struct RescoreParams {

@@ -314,11 +314,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int num_k_tiles = static_cast<int>(ceil_div(k_end - k_begin, int64_t{kWgBlockK}));
 
   // Full: the producer threads arrive (cp.async), or the one TMA-issuing thread with the bytes it
-  // expects. Empty: every consumer thread of every CTA whose shared memory the stage's loads fill.
+  // expects. Empty: every consumer thread, or with multicast every consumer warp of every CTA
+  // whose shared memory the stage's loads fill.
   if (tid == 0) {
     for (int s = 0; s < kWgStages; ++s) {
       mbarrier_init(full_barrier + 8 * s, kMulticast ? 1 : kWgProducerThreads);
-      mbarrier_init(empty_barrier + 8 * s, (kMulticast ? kWgCluster : 1) * 32 * kWgConsumerWarps);
+      mbarrier_init(empty_barrier + 8 * s, (kMulticast ? kWgCluster * kWgConsumerWarps
+                                                       : 32 * kWgConsumerWarps));
     }
     if constexpr (kMulticast) fence_mbarrier_init();
   }
@@ -432,10 +434,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   };
   auto release_stage = [&](int stage) {
     if constexpr (kMulticast) {
-#pragma unroll
-      for (int rank = 0; rank < kWgCluster; ++rank) {
-        mbarrier_arrive_in_cta(empty_barrier + 8 * stage, rank);
-      }
+      // One arrival per warp and CTA of the cluster, lane r on CTA r, after the warp's reads
+      // (__syncwarp orders them before the release). One per thread (4 x 256 remote arrivals
+      // per stage on each CTA's barrier) made the first multicast pass 1 four times slower.
+      __syncwarp();
+      if (lane < kWgCluster) mbarrier_arrive_in_cta(empty_barrier + 8 * stage, lane);
     } else {
       mbarrier_arrive(empty_barrier + 8 * stage);
     }
@@ -559,9 +562,19 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
     };
     if (num_k_tiles > 0) load_x_fragments(0, 0);
-    for (int kt = 0; kt < num_k_tiles; kt += 2) {
-      run_tile(kt, std::integral_constant<int, 0>{});
-      if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
+    // One accumulation chain per iteration, unrolled: no wgmma is in flight across the loop's back
+    // edge. With two tiles per iteration, a chain's wgmmas were in flight there, and ptxas copied
+    // the accumulator at the back edge behind an injected wait (info C7517), draining the pipe
+    // every two tiles.
+    static_assert(kWgFlushTiles % 2 == 0, "register sets alternate within a chain");
+    for (int kt0 = 0; kt0 < num_k_tiles; kt0 += kWgFlushTiles) {
+#pragma unroll
+      for (int j = 0; j < kWgFlushTiles; j += 2) {
+        if (kt0 + j < num_k_tiles) run_tile(kt0 + j, std::integral_constant<int, 0>{});
+        if (kt0 + j + 1 < num_k_tiles) run_tile(kt0 + j + 1, std::integral_constant<int, 1>{});
+      }
+      // Nothing is in flight here (the chain's last tile waited for all): this tells ptxas so.
+      wgmma_wait_all();
     }
 
     if (sum_x_squares) {
