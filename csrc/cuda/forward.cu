@@ -281,15 +281,18 @@ const DeviceInfo& device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     info->dependent_launch = major >= 9;
-    if (FPG_WITH_SM90A && major == 9 && minor == 0 && fg::kWgSmemBytes <= max_smem_optin) {
+    constexpr int kThreePassSmemBytes = fg::WgPipeline<3>::kSmemBytes;
+    constexpr int kSinglePassSmemBytes = fg::WgPipeline<1>::kSmemBytes;
+    if (FPG_WITH_SM90A && major == 9 && minor == 0 &&
+        std::max(kThreePassSmemBytes, kSinglePassSmemBytes) <= max_smem_optin) {
       cudaFuncAttributes attributes{};
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel<3>));
       if (attributes.binaryVersion == 90) {
-        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<3>, fg::kWgSmemBytes);
-        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1>, fg::kWgSmemBytes);
-        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1, true>, fg::kWgSmemBytes);
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<3>, kThreePassSmemBytes);
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1>, kSinglePassSmemBytes);
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1, true>, kSinglePassSmemBytes);
         info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel<3>,
-                                                       fg::kWgThreads, fg::kWgSmemBytes);
+                                                       fg::kWgThreads, kThreePassSmemBytes);
       }
     }
     cache[device] = std::move(info);
@@ -481,7 +484,7 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
                     static_cast<unsigned>(plan.splits));
     if (plan.wgmma) {
       fg::tf32x3_wgmma_splitk_kernel<3>
-          <<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p, fg::TmaMaps{});
+          <<<grid, fg::kWgThreads, fg::WgPipeline<3>::kSmemBytes, stream>>>(p, fg::TmaMaps{});
     } else {
       fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
     }
@@ -657,7 +660,7 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
                                                 fg::kWgCluster),
                           m_tiles, static_cast<unsigned>(splits));
     config.blockDim = dim3(fg::kWgThreads);
-    config.dynamicSmemBytes = fg::kWgSmemBytes;
+    config.dynamicSmemBytes = fg::WgPipeline<1>::kSmemBytes;
     config.stream = stream;
     config.attrs = &attribute;
     config.numAttrs = 1;
@@ -666,7 +669,7 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   } else {
     const dim3 grid(static_cast<unsigned>(n_tiles), m_tiles, static_cast<unsigned>(splits));
     fg::tf32x3_wgmma_splitk_kernel<1>
-        <<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(gemm, fg::TmaMaps{});
+        <<<grid, fg::kWgThreads, fg::WgPipeline<1>::kSmemBytes, stream>>>(gemm, fg::TmaMaps{});
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 

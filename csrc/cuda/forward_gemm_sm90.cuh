@@ -8,7 +8,7 @@
 // arch list holds 9.0a (FPG_WITH_SM90A, set by setup.py).
 //
 // CTA tile 128 (x rows) x 128 (weight rows) x 32 (K). 384 threads = 3 warpgroups, specialized:
-//   warpgroup 0, the producer: cp.async loads of the x and weight tiles into a kWgStages ring,
+//   warpgroup 0, the producer: cp.async loads of the x and weight tiles into a ring of stages,
 //     the 3xTF32 split of each landed weight tile (below), then the stage's release;
 //   warpgroups 1 and 2, the consumers: consumer c owns x rows [64 c, 64 c + 64) and all 128 weight
 //     rows, one m64n128k8 wgmma per K step of 8.
@@ -71,16 +71,14 @@ constexpr int kWgConsumerWarps = 8;
 // for x and weight, unrolled) below 88.
 constexpr int kWgProducerRegisters = 88;
 constexpr int kWgConsumerRegisters = 208;
-// 4 stages of {weight big 16 KB, weight small 16 KB, x 18 KB} = 200 KB (+1 KB to align).
-constexpr int kWgStages = 4;
-// Tiles in flight behind the one the producer splits. Each producer step first releases (splits)
-// tile kt - lookahead, then waits for the stage of tile kt - kWgStages to be empty and issues tile
-// kt. Releasing first keeps a tile's hand-over independent of the consumers' progress on older
-// tiles (releasing after the refill made the split of tile j + 1 wait for the consumers to finish
-// tile j - 1, while they already wanted it during tile j: 31% of the stall samples sat at the full
-// barrier). No deadlock while lookahead <= kWgStages - 1: consumers free tile kt - kWgStages once
-// they hold tile kt - kWgStages + 1, released by then. (With the old order, kWgStages - 1 hung.)
-constexpr int kWgLookahead = 2;
+// The pipeline's geometry depends on the passes; see WgPipeline below. Producer look-ahead: tiles
+// in flight behind the one the producer releases. Each producer step first releases (splits, for
+// 3xTF32) tile kt - lookahead, then waits for the stage of tile kt - stages to be empty and issues
+// tile kt. Releasing first keeps a tile's hand-over independent of the consumers' progress on
+// older tiles (releasing after the refill made the split of tile j + 1 wait for the consumers to
+// finish tile j - 1, while they already wanted it during tile j: 31% of the stall samples sat at
+// the full barrier). No deadlock while lookahead <= stages - 1: consumers free tile kt - stages
+// once they hold tile kt - stages + 1, released by then. (With the old order, stages - 1 hung.)
 // Single pass: K tiles per tensor-core accumulation chain (8 x 32 = 256 products), between two
 // flushes of the accumulator into float32 registers. Longer chains save drains of the tensor
 // pipe but widen the certified bound (forward.cu): at 256 its accumulation term is ~2^-15 of
@@ -101,12 +99,28 @@ constexpr int kWgAccum = kWgBlockN / 2;          // 64 m64n128 accumulator float
 constexpr int kWgWeightTileBytes = kWgBlockN * kWgBlockK * 4;         // 16 KB, swizzled
 constexpr int kWgXLd = kWgBlockK + 4;                                 // padded x row, floats
 constexpr int kWgXTileBytes = kWgBlockM * kWgXLd * 4;                 // 18 KB
-constexpr int kWgBigOffset = 0;                                       // kWgStages big halves
-constexpr int kWgSmallOffset = kWgStages * kWgWeightTileBytes;        // kWgStages small halves
-constexpr int kWgXOffset = 2 * kWgStages * kWgWeightTileBytes;        // kWgStages x tiles
-constexpr int kWgBarrierOffset = kWgXOffset + kWgStages * kWgXTileBytes;  // full[S], empty[S]
 constexpr int kWgSwizzleAlign = 1024;
-constexpr int kWgSmemBytes = kWgBarrierOffset + 2 * kWgStages * 8 + kWgSwizzleAlign;
+
+// Shared-memory ring of one kernel instantiation: kStages stages of {weight big half, weight small
+// half (3xTF32 only), x tile}, then the full and empty barriers.
+//   3xTF32: 4 stages x (16 + 16 + 18 KB) = 200 KB, look-ahead 2 (3 was measured slower: 85.6 us
+//     against 78.2 at B = 1024, the producer then waits on the empty barrier every tile).
+//   single pass: no small half, so 6 stages x (16 + 18 KB) = 204 KB fit, with look-ahead 4: the
+//     first GPU run (4 stages, look-ahead 2) kept ~2.5 tiles in flight and ran at 36% of the
+//     tensor pipe, bound by its loads' latency (Nsight Compute: L2 at 44%).
+template <int kPasses>
+struct WgPipeline {
+  static constexpr int kStages = kPasses == 3 ? 4 : 6;
+  static constexpr int kLookahead = kPasses == 3 ? 2 : 4;
+  static constexpr int kWeightHalves = kPasses == 3 ? 2 : 1;
+  static constexpr int kBigOffset = 0;                                   // kStages big halves
+  static constexpr int kSmallOffset = kStages * kWgWeightTileBytes;      // kStages small halves
+  static constexpr int kXOffset = kWeightHalves * kStages * kWgWeightTileBytes;  // x tiles
+  static constexpr int kBarrierOffset = kXOffset + kStages * kWgXTileBytes;  // full[S], empty[S]
+  static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8 + kWgSwizzleAlign;
+  static_assert(kLookahead >= 1 && kLookahead <= kStages - 1, "producer look-ahead");
+  static_assert(kSmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
+};
 
 // Producer thread i moves 16-byte chunk i % 8 of tile rows i / 8 + 16 r, r < 8 (x and weight).
 constexpr int kWgChunksPerRow = kWgBlockK / 4;                            // 8
@@ -122,7 +136,6 @@ static_assert(kWgProducerThreads * kWgProducerRegisters +
 static_assert(kWgBlockM == kWgBlockN, "the producer walks x and weight tiles with the same rows");
 static_assert(kWgBlockK * 4 == 128, "one 128-byte swizzle row per tile row");
 static_assert(kWgWeightTileBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
-static_assert(kWgLookahead >= 1 && kWgLookahead <= kWgStages - 1, "producer look-ahead");
 
 #if FPG_WGMMA_DEVICE_CODE
 
@@ -294,13 +307,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   static_assert(kPasses == 1 || kPasses == 3, "3xTF32 or single-pass TF32");
   static_assert(!kMulticast || kPasses == 1, "multicast feeds the single pass only");
 #if FPG_WGMMA_DEVICE_CODE
+  using Pipe = WgPipeline<kPasses>;
+  constexpr int kStages = Pipe::kStages;
+  constexpr int kLookahead = Pipe::kLookahead;
+  constexpr int kBigOffset = Pipe::kBigOffset;
+  constexpr int kSmallOffset = Pipe::kSmallOffset;
+  constexpr int kXOffset = Pipe::kXOffset;
+  constexpr int kBarrierOffset = Pipe::kBarrierOffset;
   allow_dependent_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t smem_base =
       (shared_address(smem_raw) + (kWgSwizzleAlign - 1)) & ~uint32_t{kWgSwizzleAlign - 1};
   unsigned char* const smem = smem_raw + (smem_base - shared_address(smem_raw));
-  const uint32_t full_barrier = smem_base + kWgBarrierOffset;    // + 8 stage
-  const uint32_t empty_barrier = full_barrier + 8 * kWgStages;   // + 8 stage
+  const uint32_t full_barrier = smem_base + kBarrierOffset;    // + 8 stage
+  const uint32_t empty_barrier = full_barrier + 8 * kStages;   // + 8 stage
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -317,7 +337,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // expects. Empty: every consumer thread, or with multicast every consumer warp of every CTA
   // whose shared memory the stage's loads fill.
   if (tid == 0) {
-    for (int s = 0; s < kWgStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_barrier + 8 * s, kMulticast ? 1 : kWgProducerThreads);
       mbarrier_init(empty_barrier + 8 * s, (kMulticast ? kWgCluster * kWgConsumerWarps
                                                        : 32 * kWgConsumerWarps));
@@ -338,19 +358,19 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         const int32_t x_row =
             static_cast<int32_t>(m0) + static_cast<int32_t>(rank) * kWgXQuarterRows;
         for (int kt = 0; kt < num_k_tiles; ++kt) {
-          const int stage = kt % kWgStages;
-          if (kt >= kWgStages) {
+          const int stage = kt % kStages;
+          if (kt >= kStages) {
             // Every consumer of the cluster is done with tile kt - S in this stage.
-            mbarrier_wait_cluster(empty_barrier + 8 * stage, ((kt / kWgStages) - 1) & 1);
+            mbarrier_wait_cluster(empty_barrier + 8 * stage, ((kt / kStages) - 1) & 1);
           }
           const uint32_t full = full_barrier + 8 * stage;
           // Own weight tile, plus the 4 x tile quarters that the cluster's CTAs multicast here.
           mbarrier_arrive_expect_tx(full, kWgWeightTileBytes + kWgCluster * kWgXQuarterBytes);
           const int32_t k = static_cast<int32_t>(k_begin) + kt * kWgBlockK;
-          tma_load(smem_base + kWgBigOffset + stage * kWgWeightTileBytes, &maps.w, k,
+          tma_load(smem_base + kBigOffset + stage * kWgWeightTileBytes, &maps.w, k,
                    static_cast<int32_t>(n0), full);
           tma_load_multicast(
-              smem_base + kWgXOffset + stage * kWgXTileBytes + rank * kWgXQuarterBytes, &maps.x,
+              smem_base + kXOffset + stage * kWgXTileBytes + rank * kWgXQuarterBytes, &maps.x,
               k, x_row, full, static_cast<uint16_t>((1u << kWgCluster) - 1));
         }
       }
@@ -360,12 +380,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int row0 = tid / kWgChunksPerRow;
     const int chunk = tid % kWgChunksPerRow;
     auto issue_tile = [&](int k_tile) {
-      const int stage = k_tile % kWgStages;
+      const int stage = k_tile % kStages;
       const int64_t k = k_begin + static_cast<int64_t>(k_tile) * kWgBlockK + 4 * chunk;
       // The chunk holds floats [k, k + 4) with k and k_end multiples of 4: all in or all out.
       const bool k_ok = k < k_end;
-      const uint32_t x_tile = smem_base + kWgXOffset + stage * kWgXTileBytes;
-      const uint32_t w_tile = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
+      const uint32_t x_tile = smem_base + kXOffset + stage * kWgXTileBytes;
+      const uint32_t w_tile = smem_base + kBigOffset + stage * kWgWeightTileBytes;
 #pragma unroll
       for (int i = 0; i < kWgProducerRows; ++i) {
         const int row = row0 + kWgProducerRowStep * i;
@@ -379,10 +399,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       cp_async_commit();
     };
     auto release_tile = [&](int k_tile) {
-      const int stage = k_tile % kWgStages;
+      const int stage = k_tile % kStages;
       if constexpr (kPasses == 3) {
-      unsigned char* big = smem + kWgBigOffset + stage * kWgWeightTileBytes;
-      unsigned char* small = smem + kWgSmallOffset + stage * kWgWeightTileBytes;
+      unsigned char* big = smem + kBigOffset + stage * kWgWeightTileBytes;
+      unsigned char* small = smem + kSmallOffset + stage * kWgWeightTileBytes;
 #pragma unroll
       for (int i = 0; i < kWgProducerRows; ++i) {
         const uint32_t off = swizzle128(row0 + kWgProducerRowStep * i, chunk);
@@ -400,18 +420,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       mbarrier_arrive(full_barrier + 8 * stage);
     };
     for (int kt = 0; kt < num_k_tiles; ++kt) {
-      if (kt >= kWgLookahead) {
-        cp_async_wait<kWgLookahead - 1>();  // groups committed: kt => tile kt - lookahead landed
-        release_tile(kt - kWgLookahead);
+      if (kt >= kLookahead) {
+        cp_async_wait<kLookahead - 1>();  // groups committed: kt => tile kt - lookahead landed
+        release_tile(kt - kLookahead);
       }
-      if (kt >= kWgStages) {
+      if (kt >= kStages) {
         // Stage kt % S held tile kt - S: wait until every consumer warp is done with it.
-        mbarrier_wait(empty_barrier + 8 * (kt % kWgStages), ((kt / kWgStages) - 1) & 1);
+        mbarrier_wait(empty_barrier + 8 * (kt % kStages), ((kt / kStages) - 1) & 1);
       }
       issue_tile(kt);
     }
     cp_async_wait<0>();
-    for (int kt = max(num_k_tiles - kWgLookahead, 0); kt < num_k_tiles; ++kt) release_tile(kt);
+    for (int kt = max(num_k_tiles - kLookahead, 0); kt < num_k_tiles; ++kt) release_tile(kt);
     return;
   }
 
@@ -455,9 +475,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   float x_squares[2] = {0.f, 0.f};
   float w_squares = 0.f;
   auto load_x_fragments = [&](int k_tile, int set) {
-    const int stage = k_tile % kWgStages;
-    mbarrier_wait(full_barrier + 8 * stage, (k_tile / kWgStages) & 1);
-    const uint32_t x_tile = smem_base + kWgXOffset + stage * kWgXTileBytes;
+    const int stage = k_tile % kStages;
+    mbarrier_wait(full_barrier + 8 * stage, (k_tile / kStages) & 1);
+    const uint32_t x_tile = smem_base + kXOffset + stage * kWgXTileBytes;
 #pragma unroll
     for (int kk = 0; kk < kWgKSteps; ++kk) {
       uint32_t r[4];
@@ -479,7 +499,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   };
   const int consumer = tid - kWgProducerThreads;
   auto add_w_squares = [&](int k_tile) {
-    const unsigned char* tile = smem + kWgBigOffset + (k_tile % kWgStages) * kWgWeightTileBytes;
+    const unsigned char* tile = smem + kBigOffset + (k_tile % kStages) * kWgWeightTileBytes;
     const int row = consumer / 2;
 #pragma unroll
     for (int c = 0; c < kWgChunksPerRow / 2; ++c) {
@@ -502,9 +522,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // iteration): register arrays indexed by a run-time value would go to local memory.
     auto run_tile = [&](int kt, auto set_constant) {
       constexpr int kSet = decltype(set_constant)::value;
-      const int stage = kt % kWgStages;
-      const uint32_t w_big = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
-      const uint32_t w_small = smem_base + kWgSmallOffset + stage * kWgWeightTileBytes;
+      const int stage = kt % kStages;
+      const uint32_t w_big = smem_base + kBigOffset + stage * kWgWeightTileBytes;
+      const uint32_t w_small = smem_base + kSmallOffset + stage * kWgWeightTileBytes;
       wgmma_fence();  // acc and the A registers were last written by ordinary instructions
 #pragma unroll
       for (int kk = 0; kk < kWgKSteps; ++kk) {
@@ -537,7 +557,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // tile kt + 1's fragments only after that wait.
     auto run_tile = [&](int kt, auto set_constant) {
       constexpr int kSet = decltype(set_constant)::value;
-      const uint32_t w_big = smem_base + kWgBigOffset + (kt % kWgStages) * kWgWeightTileBytes;
+      const uint32_t w_big = smem_base + kBigOffset + (kt % kStages) * kWgWeightTileBytes;
       const bool group_start = kt % kWgFlushTiles == 0;
       const bool group_end = (kt + 1) % kWgFlushTiles == 0 || kt + 1 == num_k_tiles;
       wgmma_fence();  // the A registers (ldmatrix) and acc (the last flush) were written normally
@@ -558,7 +578,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       } else {
         wgmma_wait_one();
       }
-      if (kt > 0) release_stage((kt - 1) % kWgStages);
+      if (kt > 0) release_stage((kt - 1) % kStages);
       if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
     };
     if (num_k_tiles > 0) load_x_fragments(0, 0);
