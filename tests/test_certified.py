@@ -1,8 +1,8 @@
-"""The experimental certified forward (FUSED_POOL_GELU_CERTIFIED=1; csrc/cuda/forward.cu, section
-"Certified single pass"): a single-pass TF32 GEMM with a proven error bound, then float32
-rescoring of the columns that may still hold each row's maximum.
+"""The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch rows;
+FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies): a single-pass TF32 GEMM with a proven
+error bound, then float32 rescoring of the columns that may still hold each row's maximum.
 
-Each test runs the forward with the switch on and checks the answer against float64 (the same
+Each test runs the forward with the path forced on and checks the answer against float64 (the same
 check as every other forward test), on data built to stress the bound: ties, near-ties, huge and
 tiny magnitudes, subnormals, non-finite rows, long K; `_certified_candidate_counts` reports how
 many columns each row sent to the rescoring (-1: all of them).
@@ -18,13 +18,10 @@ DEVICE = "cuda"
 _OPS = torch.ops.fused_pool_gelu
 
 
-@pytest.fixture(params=["cp_async", "tma_multicast"])
-def certified(request, monkeypatch):
-    """Turns the certified path on, its pass 1 loading with cp.async or with TMA multicast across
-    CTA clusters (FUSED_POOL_GELU_MULTICAST); skips where it cannot run (it needs wgmma: sm_90a)."""
+@pytest.fixture
+def certified(monkeypatch):
+    """Forces the certified path; skips where it cannot run (it needs wgmma: sm_90a)."""
     monkeypatch.setenv("FUSED_POOL_GELU_CERTIFIED", "1")
-    multicast = "1" if request.param == "tma_multicast" else "0"
-    monkeypatch.setenv("FUSED_POOL_GELU_MULTICAST", multicast)
     x = torch.rand(64, 8, device=DEVICE)
     w = torch.randn(4, 8, device=DEVICE)
     try:
@@ -45,8 +42,17 @@ def _relative_error(ours, ref):
     return float((ours.double() - ref).norm() / ref.norm())
 
 
-# Default shape, odd sizes (B > 32: the tensor-core range), K = 65536.
-SHAPES = [(1024, 8192, 512), (33, 4, 1), (100, 257, 3), (1000, 4099, 513), (40, 65536, 64)]
+# Default shape, odd sizes (B > 32: the tensor-core range), K = 65536, the widest layer the
+# selection serves (N = 4096: 16 n tiles share each x tile's sums of squares), 9 m tiles.
+SHAPES = [
+    (1024, 8192, 512),
+    (33, 4, 1),
+    (100, 257, 3),
+    (1000, 4099, 513),
+    (40, 65536, 64),
+    (300, 1000, 4096),
+    (1100, 96, 260),
+]
 
 
 @pytest.mark.parametrize("batch,in_features,pooled", SHAPES, ids=str)

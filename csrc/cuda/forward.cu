@@ -9,8 +9,11 @@
 //   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum.
-// Experimental, with FUSED_POOL_GELU_CERTIFIED=1 on sm_90a: a single-pass TF32 GEMM, a selection
-// by a proven error bound and a float32 rescoring of the surviving columns (forward_certified.cuh).
+// On sm_90a, from kCertifiedMinBatch rows (use_certified), the certified path replaces both: a
+// single-pass TF32 GEMM (forward_gemm_sm90.cuh's certified_pass1_kernel), a selection of the
+// columns that may hold the row's maximum by a proven error bound, and a float32 rescoring of those
+// (forward_certified.cuh): three launches, the same results as the 3xTF32 path's to float32
+// rounding, with the same tie and NaN rules.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
 // through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
 #include <ATen/core/Tensor.h>
@@ -59,6 +62,10 @@ namespace fg = forward_gemm;
 // FMA work, B x N x K, is still small next to it); larger ones the 3xTF32 tensor-core GEMM, whose
 // 128-row tiles are mostly padding below ~32 rows.
 constexpr int64_t kSimtMaxBatch = 32;
+
+// The certified path (see the top) from this batch on: below it the 3xTF32 GEMM was faster on the
+// H200 (B = 128: 33.4 against 48.6 us; B = 1024: 88.2 against 82.5; benchmarks/NOTES.md).
+constexpr int64_t kCertifiedMinBatch = 512;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
@@ -233,11 +240,14 @@ struct DeviceInfo {
 #define FPG_WITH_SM90A 0
 #endif
 
-// FUSED_POOL_GELU_CERTIFIED=1 takes the certified single pass where it applies (experimental: see
-// the section above and use_certified). Read at each call, like the switch below.
-bool certified_requested() {
+// FUSED_POOL_GELU_CERTIFIED: unset (or empty), the certified path serves the batches where it is
+// faster (use_certified); "1", every batch it applies to (tests); "0", none (the 3xTF32 GEMM, for
+// tests and comparisons). Read at each call, like the switch below.
+enum class CertifiedMode { kAuto, kAlways, kNever };
+CertifiedMode certified_mode() {
   const char* value = std::getenv("FUSED_POOL_GELU_CERTIFIED");
-  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+  if (value == nullptr || std::strcmp(value, "") == 0) return CertifiedMode::kAuto;
+  return std::strcmp(value, "0") == 0 ? CertifiedMode::kNever : CertifiedMode::kAlways;
 }
 
 // FUSED_POOL_GELU_FORCE_MMA_SYNC=1 runs the portable mma.sync GEMM on Hopper too (tests of that
@@ -281,18 +291,14 @@ const DeviceInfo& device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     info->dependent_launch = major >= 9;
-    constexpr int kThreePassSmemBytes = fg::WgPipeline<3>::kSmemBytes;
-    constexpr int kSinglePassSmemBytes = fg::WgPipeline<1>::kSmemBytes;
-    if (FPG_WITH_SM90A && major == 9 && minor == 0 &&
-        std::max(kThreePassSmemBytes, kSinglePassSmemBytes) <= max_smem_optin) {
+    if (FPG_WITH_SM90A && major == 9 && minor == 0 && std::max(fg::kWgSmemBytes, fg::kPass1SmemBytes) <= max_smem_optin) {
       cudaFuncAttributes attributes{};
-      C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel<3>));
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
       if (attributes.binaryVersion == 90) {
-        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<3>, kThreePassSmemBytes);
-        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1>, kSinglePassSmemBytes);
-        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel<1, true>, kSinglePassSmemBytes);
-        info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel<3>,
-                                                       fg::kWgThreads, kThreePassSmemBytes);
+        set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel, fg::kPass1SmemBytes);
+        info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
+                                                       fg::kWgThreads, fg::kWgSmemBytes);
       }
     }
     cache[device] = std::move(info);
@@ -370,17 +376,9 @@ struct TcPlan {
   int64_t k_per_split;
 };
 
-TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
-               int64_t split_cap) {
-  static_assert(fg::kWgBlockM == fg::kTcBlockM && fg::kWgBlockN == fg::kTcBlockN &&
-                    fg::kWgBlockK == fg::kTcBlockK,
-                "one split-K plan for both tensor-core kernels");
-  const bool wgmma = info.wgmma_ctas_per_sm > 0 && !force_mma_sync();
-  const int64_t tiles =
-      ceil_div(batch, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
-  const int64_t k_tiles = ceil_div(k_padded, int64_t{fg::kTcBlockK});
-  const int64_t slots = static_cast<int64_t>(info.sms) *
-                        (wgmma ? info.wgmma_ctas_per_sm : info.tc_ctas_per_sm);
+// K tiles per split for `tiles` output tiles of k_tiles K tiles each on `slots` resident CTAs:
+// the split count s minimizes waves(tiles x s) x ceil(k_tiles / s) (see kTcMaxSplits).
+int64_t plan_k_tiles_per_split(int64_t tiles, int64_t k_tiles, int64_t slots, int64_t split_cap) {
   const int64_t max_splits = std::max<int64_t>(
       1, std::min({kTcMaxSplits, k_tiles / kTcMinKTilesPerSplit, split_cap}));
   int64_t best_cost = std::numeric_limits<int64_t>::max();
@@ -395,9 +393,23 @@ TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padde
       best_k_tiles_per_split = per_split;
     }
   }
+  return best_k_tiles_per_split;
+}
+
+TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
+               int64_t split_cap) {
+  static_assert(fg::kWgBlockM == fg::kTcBlockM && fg::kWgBlockN == fg::kTcBlockN &&
+                    fg::kWgBlockK == fg::kTcBlockK,
+                "one split-K plan for both tensor-core kernels");
+  const bool wgmma = info.wgmma_ctas_per_sm > 0 && !force_mma_sync();
+  const int64_t tiles =
+      ceil_div(batch, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
+  const int64_t k_tiles = ceil_div(k_padded, int64_t{fg::kTcBlockK});
+  const int64_t slots = static_cast<int64_t>(info.sms) *
+                        (wgmma ? info.wgmma_ctas_per_sm : info.tc_ctas_per_sm);
   TcPlan plan{};
   plan.wgmma = wgmma;
-  plan.k_per_split = best_k_tiles_per_split * fg::kTcBlockK;
+  plan.k_per_split = plan_k_tiles_per_split(tiles, k_tiles, slots, split_cap) * fg::kTcBlockK;
   plan.splits = ceil_div(k_padded, plan.k_per_split);
   return plan;
 }
@@ -472,24 +484,24 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
   TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
   TORCH_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
               " splits");
-  // Row tiles go on grid y (at most 65535): larger batches are launched in slices of rows.
-  const int64_t rows_per_launch = kMaxGridYZ * fg::kTcBlockM;
-  for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
-    const fg::GemmParams p = gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split,
-                                         row0, rows_per_launch);
-    // n tiles fastest: the CTAs running together share x row tiles, and the weight (N x K, the
-    // smaller operand at large B) stays in L2 while the batch is swept.
-    const dim3 grid(static_cast<unsigned>(n_tiles),
-                    static_cast<unsigned>(ceil_div(p.rows, int64_t{fg::kTcBlockM})),
-                    static_cast<unsigned>(plan.splits));
-    if (plan.wgmma) {
-      fg::tf32x3_wgmma_splitk_kernel<3>
-          <<<grid, fg::kWgThreads, fg::WgPipeline<3>::kSmemBytes, stream>>>(p, fg::TmaMaps{});
-    } else {
-      fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Row tiles go on grid y (at most 65535). A workspace slice holds at most kMaxWorkspaceFloats
+  // partial sums, at least one per row, so its row tiles always fit there: one launch.
+  static_assert(kMaxWorkspaceFloats <= kMaxGridYZ * fg::kTcBlockM, "slice row tiles fit grid y");
+  TORCH_CHECK(batch <= kMaxGridYZ * fg::kTcBlockM, "fused_pool_gelu.forward: internal error: ",
+              batch, " rows in one tensor-core launch");
+  const fg::GemmParams p =
+      gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
+  // n tiles fastest: the CTAs running together share x row tiles, and the weight (N x K, the
+  // smaller operand at large B) stays in L2 while the batch is swept.
+  const dim3 grid(static_cast<unsigned>(n_tiles),
+                  static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcBlockM})),
+                  static_cast<unsigned>(plan.splits));
+  if (plan.wgmma) {
+    fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
+  } else {
+    fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Rows per slice (see kMaxWorkspaceFloats): all of them when one split of the whole batch fits,
@@ -538,17 +550,19 @@ void launch_gemm(const GemmPlan& plan, const Operand& x, const Operand& w, float
 }
 
 // The bound's constants (see the certified section), computed in double and rounded up.
-certified::Bound certified_bound(int64_t k_padded, int64_t splits) {
+// chain_products: products a tensor-core accumulation chain sums before pass 1 adds it into
+// float32 registers (a whole split when it never flushes).
+certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain_products) {
   const double k = static_cast<double>(k_padded);
   const double s = static_cast<double>(splits);
+  const double chain = static_cast<double>(chain_products);
   auto gamma = [](double terms, double u) { return terms * u / (1.0 - terms * u); };
   auto up = [](double v) {
     const float f = static_cast<float>(v);
     return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
   };
-  constexpr double kChainProducts = fg::kWgFlushTiles * fg::kWgBlockK;
-  const double g_sum = gamma(std::ceil(k / kChainProducts) + s + 2, 0x1p-24);
-  const double g_tc = 10.0 * (kChainProducts / fg::kWgMmaK + 1) * 0x1p-23;
+  const double g_sum = gamma(std::ceil(k / chain) + s + 2, 0x1p-24);
+  const double g_tc = gamma(std::ceil(chain / fg::kWgMmaK), 10.0 * 0x1p-23);
   const double g = g_tc * (1.0 + g_sum) + g_sum;
   certified::Bound b{};
   b.relative = up((0x1p-9 + 0x1p-20) * (1.0 + g) + g);
@@ -561,25 +575,24 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits) {
   return b;
 }
 
-// Where the certified path applies: asked for, the wgmma kernel available, float32, a batch the
-// tensor-core GEMM serves in one launch and one workspace slice, N <= kMaxSelectColumns (the
-// selection's shared memory), a finite non-zero scale, and K <= 2^20 (the bound's gamma terms
-// stay far below 1).
-bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
-                   int64_t batch, int64_t n, int64_t k_padded, double scale) {
-  return certified_requested() && info.wgmma_ctas_per_sm > 0 && !force_mma_sync() &&
-         x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-         batch > kSimtMaxBatch && batch <= kMaxGridYZ * fg::kWgBlockM &&
-         n <= certified::kMaxSelectColumns &&
+// Where the certified path can run: the wgmma kernels available, float32, a batch the pass-1 grid
+// serves in one launch and one workspace slice, N <= kMaxSelectColumns (the selection's shared
+// memory), a finite non-zero scale, and K <= 2^20 (the bound's gamma terms stay far below 1).
+bool certified_applies(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
+                       int64_t batch, int64_t n, int64_t k_padded, double scale) {
+  return info.wgmma_ctas_per_sm > 0 && !force_mma_sync() && x.scalar_type() == at::kFloat &&
+         weight.scalar_type() == at::kFloat && batch > kSimtMaxBatch &&
+         batch <= kMaxGridYZ * fg::kPass1BlockM && n <= certified::kMaxSelectColumns &&
          rows_per_slice(batch, n) == batch && k_padded > 0 && k_padded <= (int64_t{1} << 20) &&
          std::isfinite(scale) && scale != 0.0;
 }
 
-// FUSED_POOL_GELU_MULTICAST=1 (with FUSED_POOL_GELU_CERTIFIED=1): the certified pass 1 loads
-// with TMA and shares x tiles across clusters of CTAs (forward_gemm_sm90.cuh, kMulticast).
-bool multicast_requested() {
-  const char* value = std::getenv("FUSED_POOL_GELU_MULTICAST");
-  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
+                   int64_t batch, int64_t n, int64_t k_padded, double scale) {
+  const CertifiedMode mode = certified_mode();
+  return mode != CertifiedMode::kNever &&
+         (mode == CertifiedMode::kAlways || batch >= kCertifiedMinBatch) &&
+         certified_applies(info, x, weight, batch, n, k_padded, scale);
 }
 
 // A 2-D fp32 tensor map over an operand's first `rows` rows and k_padded columns: boxes of 32
@@ -631,47 +644,30 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
                             const float* bias, float scale, int64_t batch, int64_t n,
                             int64_t k_padded, const at::TensorOptions& options,
                             cudaStream_t stream) {
-  const TcPlan plan = plan_tc(info, batch, n, k_padded, kMaxWorkspaceFloats / (batch * n));
-  TORCH_CHECK(plan.wgmma, "fused_pool_gelu.forward: internal error: certified without wgmma");
-  const int64_t splits = plan.splits;
+  const int64_t tiles =
+      ceil_div(batch, int64_t{fg::kPass1BlockM}) * ceil_div(n, int64_t{fg::kPass1BlockN});
+  // One CTA per SM (the kernel's shared memory); the whole split is one tensor-core chain.
+  const int64_t k_per_split =
+      plan_k_tiles_per_split(tiles, ceil_div(k_padded, int64_t{fg::kPass1BlockK}), info.sms,
+                             kMaxWorkspaceFloats / (batch * n)) *
+      fg::kPass1BlockK;
+  const int64_t splits = ceil_div(k_padded, k_per_split);
   // Freed on return: the caching allocator reuses it only after this stream's kernels.
   at::Tensor workspace = at::empty({splits * (batch * n + batch + n)}, options.dtype(at::kFloat));
   at::Tensor selection =
       at::empty({batch * (1 + certified::kMaxCandidates)}, options.dtype(at::kInt));
   float* partial = workspace.data_ptr<float>();
 
-  fg::GemmParams gemm = gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
+  fg::GemmParams gemm = gemm_params(x, w, partial, batch, n, k_padded, k_per_split, 0, batch);
   gemm.x_sumsq = partial + splits * batch * n;
   gemm.w_sumsq = gemm.x_sumsq + splits * batch;
-  const int64_t n_tiles = ceil_div(n, int64_t{fg::kWgBlockN});
-  const unsigned m_tiles = static_cast<unsigned>(ceil_div(batch, int64_t{fg::kWgBlockM}));
-  if (multicast_requested()) {
-    // Clusters of kWgCluster CTAs along n: the grid's x is padded to a multiple of it (the extra
-    // CTAs load zeros for their weight rows and store nothing).
-    const fg::TmaMaps maps{tensor_map(x, batch, k_padded, fg::kWgXQuarterRows),
-                           tensor_map(w, n, k_padded, fg::kWgBlockN)};
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = fg::kWgCluster;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(ceil_div(n_tiles, int64_t{fg::kWgCluster}) *
-                                                fg::kWgCluster),
-                          m_tiles, static_cast<unsigned>(splits));
-    config.blockDim = dim3(fg::kWgThreads);
-    config.dynamicSmemBytes = fg::WgPipeline<1>::kSmemBytes;
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    C10_CUDA_CHECK(
-        cudaLaunchKernelEx(&config, fg::tf32x3_wgmma_splitk_kernel<1, true>, gemm, maps));
-  } else {
-    const dim3 grid(static_cast<unsigned>(n_tiles), m_tiles, static_cast<unsigned>(splits));
-    fg::tf32x3_wgmma_splitk_kernel<1>
-        <<<grid, fg::kWgThreads, fg::WgPipeline<1>::kSmemBytes, stream>>>(gemm, fg::TmaMaps{});
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  const fg::TmaMaps maps{tensor_map(x, batch, k_padded, fg::kPass1BlockM),
+                         tensor_map(w, n, k_padded, fg::kPass1BlockN)};
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, int64_t{fg::kPass1BlockN})),
+                  static_cast<unsigned>(ceil_div(batch, int64_t{fg::kPass1BlockM})),
+                  static_cast<unsigned>(splits));
+  fg::certified_pass1_kernel<<<grid, fg::kWgThreads, fg::kPass1SmemBytes, stream>>>(gemm, maps);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   certified::SelectParams select{};
   select.partial = partial;
@@ -683,7 +679,7 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   select.scale = scale;
   select.batch = batch;
   select.n = n;
-  select.bound = certified_bound(k_padded, splits);
+  select.bound = certified_bound(k_padded, splits, k_per_split);
   select.count = selection.data_ptr<int>();
   select.candidates = select.count + batch;
   cudaLaunchAttribute attribute{};
@@ -851,10 +847,11 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
   const int64_t n = weight.size(0);
   const int64_t k_padded = ceil_div(x.size(1), int64_t{4}) * 4;
   const DeviceInfo& info = device_info(x.get_device());
-  TORCH_CHECK(use_certified(info, x, weight, batch, n, k_padded, scale),
+  TORCH_CHECK(certified_applies(info, x, weight, batch, n, k_padded, scale),
               "fused_pool_gelu._certified_candidate_counts: the certified path does not apply "
-              "here (it needs FUSED_POOL_GELU_CERTIFIED=1, an sm_90a build on a compute "
-              "capability 9.0 GPU, float32, ", kSimtMaxBatch + 1, " <= batch, one workspace "
+              "here (it needs an sm_90a build on a compute capability 9.0 GPU, "
+              "FUSED_POOL_GELU_FORCE_MMA_SYNC unset, float32, ", kSimtMaxBatch + 1,
+              " <= batch, one workspace "
               "slice, N <= ", certified::kMaxSelectColumns,
               ", K <= 2^20 and a finite non-zero scale)");
   at::Tensor bias_f32;

@@ -13,11 +13,14 @@
 //  3. Tensor-core accumulation. Model (DESIGN.md; Fasi et al. 2021 measured tensor cores aligning
 //     the addends to the largest exponent and truncating): one k8 step adds its 8 products to the
 //     accumulator with an error below 10 u (|acc| + sum |p|), u = 2^-23 (9 aligned addends, one
-//     normalization), plus 2^-126 for a flushed subnormal. Pass 1 flushes the accumulator into
-//     float32 registers every 256 products (kWgFlushTiles), so a chain of 32 steps errs by at
-//     most g_tc = 10 (32 + 1) u times the sum of its products' magnitudes.
+//     normalization), plus 2^-126 for a flushed subnormal. A chain of m steps (C = 8 m products,
+//     from a zeroed accumulator to the float32 registers it is added into) then errs by at most
+//     ((1 + 10 u)^m - 1) sum |p| <= g_tc sum |p|, g_tc = gamma_m(10 u) (each step's error is at
+//     most 10 u times sums that earlier steps grew by at most (1 + 10 u) each). C is a whole
+//     split in certified_pass1_kernel (its 128 accumulator floats per thread leave no room for a
+//     second set) and 256 in the multicast kernel, which flushes every kWgFlushTiles tiles.
 //  4. Float32 additions (round to nearest, no flush): the chains' results, the S split partials
-//     and the bias, at most K / 256 + S + 2 deep: g_sum = gamma_{K/256 + S + 2}(2^-24), with
+//     and the bias, at most K / C + S + 2 deep: g_sum = gamma_{K/C + S + 2}(2^-24), with
 //     gamma_m(u) = m u / (1 - m u).
 //  Summing, with g = g_tc (1 + g_sum) + g_sum: |z~ - z| <= c_rel sum |x_i| |w_i| + g_sum |bias|
 //     + 2^-126 (2 K + S + 2) + 2^-126 (||x||_1 + ||w||_1),  c_rel = (2^-9 + 2^-20)(1 + g) + g,
@@ -40,7 +43,7 @@
 // non-finite z~, bound or value end, with ||x|| ||w|| >= 2^120 somewhere (where float32 sums
 // could overflow), or with more than kMaxCandidates candidates, is rescored entirely.
 //
-// Pass 1 is forward_gemm_sm90.cuh's kernel with kPasses = 1; the host side (the bound's constants,
+// Pass 1 is forward_gemm_sm90.cuh's certified_pass1_kernel; the host side (the bound's constants,
 // the launches, use_certified) is in forward.cu.
 #pragma once
 

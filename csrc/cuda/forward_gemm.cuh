@@ -126,9 +126,9 @@ struct GemmParams {
   int64_t n;
   int64_t k;              // padded K (multiple of 4; the GEMV also needs < 2^31 - 2 kSimtChunkK)
   int64_t k_per_split;    // a multiple of the kernel's K step (kSimtChunkK, kTcBlockK)
-  // Single-pass wgmma only (the certified first pass), else null: per split, the sum of squares of
-  // each x row (x_sumsq[s * rows + row], this launch's rows) and of each weight row
-  // (w_sumsq[s * n + col]) over the split's K range, for the error bound of the selection.
+  // certified_pass1_kernel only (the others ignore them): per split, the sum of squares of each x
+  // row (x_sumsq[s * rows + row], this launch's rows) and of each weight row (w_sumsq[s * n +
+  // col]) over the split's K range, for the error bound of the selection; null: not computed.
   float* x_sumsq;
   float* w_sumsq;
 };

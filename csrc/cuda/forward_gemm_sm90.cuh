@@ -8,7 +8,7 @@
 // arch list holds 9.0a (FPG_WITH_SM90A, set by setup.py).
 //
 // CTA tile 128 (x rows) x 128 (weight rows) x 32 (K). 384 threads = 3 warpgroups, specialized:
-//   warpgroup 0, the producer: cp.async loads of the x and weight tiles into a ring of stages,
+//   warpgroup 0, the producer: cp.async loads of the x and weight tiles into a kWgStages ring,
 //     the 3xTF32 split of each landed weight tile (below), then the stage's release;
 //   warpgroups 1 and 2, the consumers: consumer c owns x rows [64 c, 64 c + 64) and all 128 weight
 //     rows, one m64n128k8 wgmma per K step of 8.
@@ -71,27 +71,16 @@ constexpr int kWgConsumerWarps = 8;
 // for x and weight, unrolled) below 88.
 constexpr int kWgProducerRegisters = 88;
 constexpr int kWgConsumerRegisters = 208;
-// The pipeline's geometry depends on the passes; see WgPipeline below. Producer look-ahead: tiles
-// in flight behind the one the producer releases. Each producer step first releases (splits, for
-// 3xTF32) tile kt - lookahead, then waits for the stage of tile kt - stages to be empty and issues
-// tile kt. Releasing first keeps a tile's hand-over independent of the consumers' progress on
-// older tiles (releasing after the refill made the split of tile j + 1 wait for the consumers to
-// finish tile j - 1, while they already wanted it during tile j: 31% of the stall samples sat at
-// the full barrier). No deadlock while lookahead <= stages - 1: consumers free tile kt - stages
-// once they hold tile kt - stages + 1, released by then. (With the old order, stages - 1 hung.)
-// Single pass: K tiles per tensor-core accumulation chain (8 x 32 = 256 products), between two
-// flushes of the accumulator into float32 registers. Longer chains save drains of the tensor
-// pipe but widen the certified bound (forward.cu): at 256 its accumulation term is ~2^-15 of
-// ||x|| ||w||, next to the operands' 2^-9; without flushes it would be ~2 K 2^-23 (2^-9 at
-// K = 8192), and the default shape would send ~8.7 columns per row to the rescoring, not ~3.6
-// (benchmarks/simulate_certified.py).
-constexpr int kWgFlushTiles = 8;
-// Multicast (single pass, FUSED_POOL_GELU_MULTICAST=1): clusters of the kWgCluster CTAs of one m
-// tile along n share its x tile: each loads a quarter of it with TMA, multicast to all of them,
-// so each CTA reads 16 KB (its weight tile) + 4 KB from L2 per K tile instead of 32 KB.
-constexpr int kWgCluster = 4;
-constexpr int kWgXQuarterRows = kWgBlockM / kWgCluster;        // 32
-constexpr int kWgXQuarterBytes = kWgXQuarterRows * kWgBlockK * 4;  // 4 KB, swizzled like weights
+// 4 stages of {weight big 16 KB, weight small 16 KB, x 18 KB} = 200 KB (+1 KB to align).
+constexpr int kWgStages = 4;
+// Tiles in flight behind the one the producer splits. Each producer step first releases (splits)
+// tile kt - lookahead, then waits for the stage of tile kt - kWgStages to be empty and issues tile
+// kt. Releasing first keeps a tile's hand-over independent of the consumers' progress on older
+// tiles (releasing after the refill made the split of tile j + 1 wait for the consumers to finish
+// tile j - 1, while they already wanted it during tile j: 31% of the stall samples sat at the full
+// barrier). No deadlock while lookahead <= kWgStages - 1: consumers free tile kt - kWgStages once
+// they hold tile kt - kWgStages + 1, released by then. (With the old order, kWgStages - 1 hung.)
+constexpr int kWgLookahead = 2;
 constexpr int kWgMmaK = 8;
 constexpr int kWgKSteps = kWgBlockK / kWgMmaK;  // 4
 constexpr int kWgAccum = kWgBlockN / 2;          // 64 m64n128 accumulator floats per thread
@@ -99,28 +88,12 @@ constexpr int kWgAccum = kWgBlockN / 2;          // 64 m64n128 accumulator float
 constexpr int kWgWeightTileBytes = kWgBlockN * kWgBlockK * 4;         // 16 KB, swizzled
 constexpr int kWgXLd = kWgBlockK + 4;                                 // padded x row, floats
 constexpr int kWgXTileBytes = kWgBlockM * kWgXLd * 4;                 // 18 KB
+constexpr int kWgBigOffset = 0;                                       // kWgStages big halves
+constexpr int kWgSmallOffset = kWgStages * kWgWeightTileBytes;        // kWgStages small halves
+constexpr int kWgXOffset = 2 * kWgStages * kWgWeightTileBytes;        // kWgStages x tiles
+constexpr int kWgBarrierOffset = kWgXOffset + kWgStages * kWgXTileBytes;  // full[S], empty[S]
 constexpr int kWgSwizzleAlign = 1024;
-
-// Shared-memory ring of one kernel instantiation: kStages stages of {weight big half, weight small
-// half (3xTF32 only), x tile}, then the full and empty barriers.
-//   3xTF32: 4 stages x (16 + 16 + 18 KB) = 200 KB, look-ahead 2 (3 was measured slower: 85.6 us
-//     against 78.2 at B = 1024, the producer then waits on the empty barrier every tile).
-//   single pass: no small half, so 6 stages x (16 + 18 KB) = 204 KB fit, with look-ahead 4: the
-//     first GPU run (4 stages, look-ahead 2) kept ~2.5 tiles in flight and ran at 36% of the
-//     tensor pipe, bound by its loads' latency (Nsight Compute: L2 at 44%).
-template <int kPasses>
-struct WgPipeline {
-  static constexpr int kStages = kPasses == 3 ? 4 : 6;
-  static constexpr int kLookahead = kPasses == 3 ? 2 : 4;
-  static constexpr int kWeightHalves = kPasses == 3 ? 2 : 1;
-  static constexpr int kBigOffset = 0;                                   // kStages big halves
-  static constexpr int kSmallOffset = kStages * kWgWeightTileBytes;      // kStages small halves
-  static constexpr int kXOffset = kWeightHalves * kStages * kWgWeightTileBytes;  // x tiles
-  static constexpr int kBarrierOffset = kXOffset + kStages * kWgXTileBytes;  // full[S], empty[S]
-  static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8 + kWgSwizzleAlign;
-  static_assert(kLookahead >= 1 && kLookahead <= kStages - 1, "producer look-ahead");
-  static_assert(kSmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
-};
+constexpr int kWgSmemBytes = kWgBarrierOffset + 2 * kWgStages * 8 + kWgSwizzleAlign;
 
 // Producer thread i moves 16-byte chunk i % 8 of tile rows i / 8 + 16 r, r < 8 (x and weight).
 constexpr int kWgChunksPerRow = kWgBlockK / 4;                            // 8
@@ -136,6 +109,7 @@ static_assert(kWgProducerThreads * kWgProducerRegisters +
 static_assert(kWgBlockM == kWgBlockN, "the producer walks x and weight tiles with the same rows");
 static_assert(kWgBlockK * 4 == 128, "one 128-byte swizzle row per tile row");
 static_assert(kWgWeightTileBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
+static_assert(kWgLookahead >= 1 && kWgLookahead <= kWgStages - 1, "producer look-ahead");
 
 #if FPG_WGMMA_DEVICE_CODE
 
@@ -190,20 +164,8 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity)
       : "memory");
 }
 
-// Cluster pieces of the multicast producer (PTX ISA: cp.async.bulk.tensor, mbarrier, mapa).
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return rank;
-}
-// Every thread of every CTA of the cluster: barrier inits visible cluster-wide before use, and no
-// CTA leaving while the others may still write into its shared memory or arrive on its barriers.
-__device__ __forceinline__ void cluster_sync() {
-  __syncwarp();  // the .aligned forms need the whole warp converged
-  asm volatile(
-      "barrier.cluster.arrive.release.aligned;\n"
-      "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
+// TMA (PTX ISA: cp.async.bulk.tensor, mbarrier expect_tx).
+// Barrier inits visible to the async proxy (the TMA unit) before it completes on them.
 __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -212,27 +174,8 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t barrier, uint
                "r"(bytes)
                : "memory");
 }
-// Arrives on the barrier at the same shared-memory offset in cluster CTA `rank`.
-__device__ __forceinline__ void mbarrier_arrive_in_cta(uint32_t barrier, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(barrier),
-      "r"(rank)
-      : "memory");
-}
-// mbarrier_wait with cluster-scope acquire: the arrivals came from other CTAs' consumers.
-__device__ __forceinline__ void mbarrier_wait_cluster(uint32_t barrier, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_CLUSTER:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_CLUSTER;\n}\n" ::"r"(barrier),
-      "r"(parity)
-      : "memory");
-}
-// Box (coordinates: K, row) of a 2-D tensor map into shared memory, completing on `barrier`; the
-// multicast form writes the same offset in every CTA of `cta_mask` and completes on each one's
-// barrier at the same offset.
+// Box (coordinates: K, row) of a 2-D tensor map into shared memory, completing on `barrier` (this
+// CTA's shared memory is its own rank's part of the cluster window).
 __device__ __forceinline__ void tma_load(uint32_t destination, const CUtensorMap* map, int32_t k,
                                          int32_t row, uint32_t barrier) {
   asm volatile(
@@ -241,16 +184,6 @@ __device__ __forceinline__ void tma_load(uint32_t destination, const CUtensorMap
       "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(barrier)
       : "memory");
 }
-__device__ __forceinline__ void tma_load_multicast(uint32_t destination, const CUtensorMap* map,
-                                                   int32_t k, int32_t row, uint32_t barrier,
-                                                   uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(destination),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(barrier), "h"(cta_mask)
-      : "memory");
-}
-
 // Moves this warpgroup's per-thread register allocation to kCount (all its warps must execute it).
 template <bool kIncrease, int kCount>
 __device__ __forceinline__ void set_max_registers() {
@@ -287,40 +220,44 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[kWgAccum], const
         "l"(b_descriptor));
 }
 
+// d += a * b on 64 x 256 x 8, both operands through shared-memory descriptors (K-major, 128-byte
+// swizzle): a [64 rows][8], b [256 rows][8]. 128 accumulator floats per thread, value 4 j + e at
+// row g (+8 for e >= 2) and column 8 j + 2 t + (e % 2) of the warp's 16 rows, as m64n128's.
+#define FPG_ACC8(i)                                                                          \
+  "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]),      \
+      "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define FPG_ACC32(i) FPG_ACC8(i), FPG_ACC8((i) + 8), FPG_ACC8((i) + 16), FPG_ACC8((i) + 24)
+__device__ __forceinline__ void wgmma_m64n256k8_tf32_ss(float (&d)[128], uint64_t a_descriptor,
+                                                        uint64_t b_descriptor) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1;\n}\n"
+      : FPG_ACC32(0), FPG_ACC32(32), FPG_ACC32(64), FPG_ACC32(96)
+      : "l"(a_descriptor), "l"(b_descriptor), "r"(1));
+}
+#undef FPG_ACC32
+#undef FPG_ACC8
+
 #endif  // FPG_WGMMA_DEVICE_CODE
 
-// The multicast kernel's tensor maps, fp32 with the 128-byte swizzle: x (box 32 K x 32 rows, a
-// quarter tile) and the weight (box 32 K x 128 rows), over the same operands as GemmParams' x and
-// w. Unused (zeros) by the other instantiations.
-struct TmaMaps {
-  CUtensorMap x;
-  CUtensorMap w;
-};
-
-// kPasses = 3: 3xTF32 (float32-accurate); kPasses = 1: one TF32 wgmma per K step on the raw fp32
-// operands (the tensor core reads their top 19 bits), no split: the certified first pass.
-// kMulticast (single pass only): TMA loads, x shared by a cluster of kWgCluster CTAs along n (the
-// grid's x dimension is then a multiple of kWgCluster, launched as clusters of that size).
-template <int kPasses, bool kMulticast = false>
-__global__ void __launch_bounds__(kWgThreads, 1)
-    tf32x3_wgmma_splitk_kernel(const GemmParams p, const __grid_constant__ TmaMaps maps) {
-  static_assert(kPasses == 1 || kPasses == 3, "3xTF32 or single-pass TF32");
-  static_assert(!kMulticast || kPasses == 1, "multicast feeds the single pass only");
+__global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(const GemmParams p) {
 #if FPG_WGMMA_DEVICE_CODE
-  using Pipe = WgPipeline<kPasses>;
-  constexpr int kStages = Pipe::kStages;
-  constexpr int kLookahead = Pipe::kLookahead;
-  constexpr int kBigOffset = Pipe::kBigOffset;
-  constexpr int kSmallOffset = Pipe::kSmallOffset;
-  constexpr int kXOffset = Pipe::kXOffset;
-  constexpr int kBarrierOffset = Pipe::kBarrierOffset;
   allow_dependent_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t smem_base =
       (shared_address(smem_raw) + (kWgSwizzleAlign - 1)) & ~uint32_t{kWgSwizzleAlign - 1};
   unsigned char* const smem = smem_raw + (smem_base - shared_address(smem_raw));
-  const uint32_t full_barrier = smem_base + kBarrierOffset;    // + 8 stage
-  const uint32_t empty_barrier = full_barrier + 8 * kStages;   // + 8 stage
+  const uint32_t full_barrier = smem_base + kWgBarrierOffset;    // + 8 stage
+  const uint32_t empty_barrier = full_barrier + 8 * kWgStages;   // + 8 stage
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -333,59 +270,28 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int64_t k_end = min(k_begin + p.k_per_split, p.k);
   const int num_k_tiles = static_cast<int>(ceil_div(k_end - k_begin, int64_t{kWgBlockK}));
 
-  // Full: the producer threads arrive (cp.async), or the one TMA-issuing thread with the bytes it
-  // expects. Empty: every consumer thread, or with multicast every consumer warp of every CTA
-  // whose shared memory the stage's loads fill.
   if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(full_barrier + 8 * s, kMulticast ? 1 : kWgProducerThreads);
-      mbarrier_init(empty_barrier + 8 * s, (kMulticast ? kWgCluster * kWgConsumerWarps
-                                                       : 32 * kWgConsumerWarps));
+    for (int s = 0; s < kWgStages; ++s) {
+      mbarrier_init(full_barrier + 8 * s, kWgProducerThreads);
+      mbarrier_init(empty_barrier + 8 * s, 32 * kWgConsumerWarps);
     }
-    if constexpr (kMulticast) fence_mbarrier_init();
   }
   __syncthreads();
-  if constexpr (kMulticast) cluster_sync();
 
   if (warp < kWgProducerThreads / 32) {
     // ---------------------------------------------------------------------------------------
     // Producer. Each thread splits exactly the weight chunks it loaded itself (the split is
     // elementwise), so waiting for its own cp.async groups is enough; no barrier among threads.
     set_max_registers<false, kWgProducerRegisters>();
-    if constexpr (kMulticast) {
-      if (tid == 0) {
-        const uint32_t rank = cluster_rank();
-        const int32_t x_row =
-            static_cast<int32_t>(m0) + static_cast<int32_t>(rank) * kWgXQuarterRows;
-        for (int kt = 0; kt < num_k_tiles; ++kt) {
-          const int stage = kt % kStages;
-          if (kt >= kStages) {
-            // Every consumer of the cluster is done with tile kt - S in this stage.
-            mbarrier_wait_cluster(empty_barrier + 8 * stage, ((kt / kStages) - 1) & 1);
-          }
-          const uint32_t full = full_barrier + 8 * stage;
-          // Own weight tile, plus the 4 x tile quarters that the cluster's CTAs multicast here.
-          mbarrier_arrive_expect_tx(full, kWgWeightTileBytes + kWgCluster * kWgXQuarterBytes);
-          const int32_t k = static_cast<int32_t>(k_begin) + kt * kWgBlockK;
-          tma_load(smem_base + kBigOffset + stage * kWgWeightTileBytes, &maps.w, k,
-                   static_cast<int32_t>(n0), full);
-          tma_load_multicast(
-              smem_base + kXOffset + stage * kWgXTileBytes + rank * kWgXQuarterBytes, &maps.x,
-              k, x_row, full, static_cast<uint16_t>((1u << kWgCluster) - 1));
-        }
-      }
-      cluster_sync();
-      return;
-    }
     const int row0 = tid / kWgChunksPerRow;
     const int chunk = tid % kWgChunksPerRow;
     auto issue_tile = [&](int k_tile) {
-      const int stage = k_tile % kStages;
+      const int stage = k_tile % kWgStages;
       const int64_t k = k_begin + static_cast<int64_t>(k_tile) * kWgBlockK + 4 * chunk;
       // The chunk holds floats [k, k + 4) with k and k_end multiples of 4: all in or all out.
       const bool k_ok = k < k_end;
-      const uint32_t x_tile = smem_base + kXOffset + stage * kWgXTileBytes;
-      const uint32_t w_tile = smem_base + kBigOffset + stage * kWgWeightTileBytes;
+      const uint32_t x_tile = smem_base + kWgXOffset + stage * kWgXTileBytes;
+      const uint32_t w_tile = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
 #pragma unroll
       for (int i = 0; i < kWgProducerRows; ++i) {
         const int row = row0 + kWgProducerRowStep * i;
@@ -399,10 +305,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       cp_async_commit();
     };
     auto release_tile = [&](int k_tile) {
-      const int stage = k_tile % kStages;
-      if constexpr (kPasses == 3) {
-      unsigned char* big = smem + kBigOffset + stage * kWgWeightTileBytes;
-      unsigned char* small = smem + kSmallOffset + stage * kWgWeightTileBytes;
+      const int stage = k_tile % kWgStages;
+      unsigned char* big = smem + kWgBigOffset + stage * kWgWeightTileBytes;
+      unsigned char* small = smem + kWgSmallOffset + stage * kWgWeightTileBytes;
 #pragma unroll
       for (int i = 0; i < kWgProducerRows; ++i) {
         const uint32_t off = swizzle128(row0 + kWgProducerRowStep * i, chunk);
@@ -415,23 +320,22 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         *reinterpret_cast<uint4*>(big + off) = v;
         *reinterpret_cast<uint4*>(small + off) = w;
       }
-      }
       fence_proxy_async_shared();  // the halves are read by wgmma (async proxy)
       mbarrier_arrive(full_barrier + 8 * stage);
     };
     for (int kt = 0; kt < num_k_tiles; ++kt) {
-      if (kt >= kLookahead) {
-        cp_async_wait<kLookahead - 1>();  // groups committed: kt => tile kt - lookahead landed
-        release_tile(kt - kLookahead);
+      if (kt >= kWgLookahead) {
+        cp_async_wait<kWgLookahead - 1>();  // groups committed: kt => tile kt - lookahead landed
+        release_tile(kt - kWgLookahead);
       }
-      if (kt >= kStages) {
+      if (kt >= kWgStages) {
         // Stage kt % S held tile kt - S: wait until every consumer warp is done with it.
-        mbarrier_wait(empty_barrier + 8 * (kt % kStages), ((kt / kStages) - 1) & 1);
+        mbarrier_wait(empty_barrier + 8 * (kt % kWgStages), ((kt / kWgStages) - 1) & 1);
       }
       issue_tile(kt);
     }
     cp_async_wait<0>();
-    for (int kt = max(num_k_tiles - kLookahead, 0); kt < num_k_tiles; ++kt) release_tile(kt);
+    for (int kt = max(num_k_tiles - kWgLookahead, 0); kt < num_k_tiles; ++kt) release_tile(kt);
     return;
   }
 
@@ -441,71 +345,24 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int warpgroup = warp / 4 - 1;  // consumer index: x rows [64 c, 64 c + 64)
   const int warp_in_group = warp % 4;
   // ldmatrix.x4 lane l points at row (l & 7) + 8 ((l >> 3) & 1), column 4 (l >> 4) of the 16 x 8
-  // block: matrices = a0..a3 (see the mma.sync kernel's header comment). The padded x tile (rows
-  // of kWgXLd floats) or, with TMA, the 128-byte-swizzled one (16-byte chunk c of row r at chunk
-  // position c ^ (r % 8); r % 8 = l % 8 here).
-  const int a_row = warpgroup * 64 + warp_in_group * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-  auto a_fragment_address = [&](uint32_t x_tile, int kk) -> uint32_t {
-    if constexpr (kMulticast) {
-      return x_tile + a_row * 128 + ((((lane >> 4) + 2 * kk) ^ (lane & 7)) << 4);
-    } else {
-      return x_tile + (a_row * kWgXLd + 4 * (lane >> 4) + kk * kWgMmaK) * 4;
-    }
-  };
-  auto release_stage = [&](int stage) {
-    if constexpr (kMulticast) {
-      // One arrival per warp and CTA of the cluster, lane r on CTA r, after the warp's reads
-      // (__syncwarp orders them before the release). One per thread (4 x 256 remote arrivals
-      // per stage on each CTA's barrier) made the first multicast pass 1 four times slower.
-      __syncwarp();
-      if (lane < kWgCluster) mbarrier_arrive_in_cta(empty_barrier + 8 * stage, lane);
-    } else {
-      mbarrier_arrive(empty_barrier + 8 * stage);
-    }
-  };
+  // block: matrices = a0..a3 (see the mma.sync kernel's header comment).
+  const uint32_t a_frag_off =
+      ((warpgroup * 64 + warp_in_group * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kWgXLd +
+       4 * (lane >> 4)) * 4;
   // Two sets of A fragments: the wgmmas of a tile read their registers until they complete, while
   // the next tile's are loaded.
   uint32_t a_big[2][kWgKSteps][4];
   uint32_t a_small[2][kWgKSteps][4];
-  // Single pass: the sums of squares of this thread's two x rows (g and g + 8 of its warp's 16)
-  // in the CTAs of n tile 0, and of weight row (c / 2), half c % 2 of each K tile, in the CTAs of
-  // m tile 0 (c = consumer thread index): each row once per split.
-  const bool sum_x_squares = kPasses == 1 && p.x_sumsq != nullptr && blockIdx.x == 0;
-  const bool sum_w_squares = kPasses == 1 && p.w_sumsq != nullptr && blockIdx.y == 0;
-  float x_squares[2] = {0.f, 0.f};
-  float w_squares = 0.f;
   auto load_x_fragments = [&](int k_tile, int set) {
-    const int stage = k_tile % kStages;
-    mbarrier_wait(full_barrier + 8 * stage, (k_tile / kStages) & 1);
-    const uint32_t x_tile = smem_base + kXOffset + stage * kWgXTileBytes;
+    const int stage = k_tile % kWgStages;
+    mbarrier_wait(full_barrier + 8 * stage, (k_tile / kWgStages) & 1);
+    const uint32_t x_tile = smem_base + kWgXOffset + stage * kWgXTileBytes;
 #pragma unroll
     for (int kk = 0; kk < kWgKSteps; ++kk) {
       uint32_t r[4];
-      ldmatrix_x4(r, a_fragment_address(x_tile, kk));
+      ldmatrix_x4(r, x_tile + a_frag_off + kk * kWgMmaK * 4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if constexpr (kPasses == 3) {
-          split_tf32(r[e], a_big[set][kk][e], a_small[set][kk][e]);
-        } else {
-          a_big[set][kk][e] = r[e];
-          // a0, a2: row g; a1, a3: row g + 8 (the m16n8k8 A fragment).
-          if (sum_x_squares) {
-            const float v = __uint_as_float(r[e]);
-            x_squares[e & 1] = fmaf(v, v, x_squares[e & 1]);
-          }
-        }
-      }
-    }
-  };
-  const int consumer = tid - kWgProducerThreads;
-  auto add_w_squares = [&](int k_tile) {
-    const unsigned char* tile = smem + kBigOffset + (k_tile % kStages) * kWgWeightTileBytes;
-    const int row = consumer / 2;
-#pragma unroll
-    for (int c = 0; c < kWgChunksPerRow / 2; ++c) {
-      const float4 v = *reinterpret_cast<const float4*>(
-          tile + swizzle128(row, (consumer % 2) * (kWgChunksPerRow / 2) + c));
-      w_squares = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, w_squares))));
+      for (int e = 0; e < 4; ++e) split_tf32(r[e], a_big[set][kk][e], a_small[set][kk][e]);
     }
   };
 
@@ -517,101 +374,37 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     total[i] = 0.f;
   }
 
-  if constexpr (kPasses == 3) {
-    // The loop body is written for register set kt % 2 at compile time (two tiles per
-    // iteration): register arrays indexed by a run-time value would go to local memory.
-    auto run_tile = [&](int kt, auto set_constant) {
-      constexpr int kSet = decltype(set_constant)::value;
-      const int stage = kt % kStages;
-      const uint32_t w_big = smem_base + kBigOffset + stage * kWgWeightTileBytes;
-      const uint32_t w_small = smem_base + kSmallOffset + stage * kWgWeightTileBytes;
-      wgmma_fence();  // acc and the A registers were last written by ordinary instructions
+  // The loop body is written for register set kt % 2 at compile time (two tiles per iteration):
+  // register arrays indexed by a run-time value would go to local memory.
+  auto run_tile = [&](int kt, auto set_constant) {
+    constexpr int kSet = decltype(set_constant)::value;
+    const int stage = kt % kWgStages;
+    const uint32_t w_big = smem_base + kWgBigOffset + stage * kWgWeightTileBytes;
+    const uint32_t w_small = smem_base + kWgSmallOffset + stage * kWgWeightTileBytes;
+    wgmma_fence();  // acc and the A registers were last written by ordinary instructions
 #pragma unroll
-      for (int kk = 0; kk < kWgKSteps; ++kk) {
-        wgmma_m64n128k8_tf32(acc, a_small[kSet][kk], weight_descriptor(w_big + 32 * kk), kk > 0);
-        wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_small + 32 * kk), true);
-      }
-#pragma unroll
-      for (int kk = 0; kk < kWgKSteps; ++kk) {
-        wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk), true);
-      }
-      wgmma_commit();
-      if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
-      wgmma_wait_all();
-      // Every consumer thread arrives: mbarrier.arrive releases only the arriving thread's own
-      // earlier accesses (here its ldmatrix reads of the stage's x tile).
-      mbarrier_arrive(empty_barrier + 8 * stage);
-#pragma unroll
-      for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
-    };
-    if (num_k_tiles > 0) load_x_fragments(0, 0);
-    for (int kt = 0; kt < num_k_tiles; kt += 2) {
-      run_tile(kt, std::integral_constant<int, 0>{});
-      if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
+    for (int kk = 0; kk < kWgKSteps; ++kk) {
+      wgmma_m64n128k8_tf32(acc, a_small[kSet][kk], weight_descriptor(w_big + 32 * kk), kk > 0);
+      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_small + 32 * kk), true);
     }
-  } else {
-    // Single pass: the tensor pipe drains only once per kWgFlushTiles tiles, where the
-    // accumulator is added into `total` (the error bound of the selection models the tensor
-    // core's accumulation over one such group). Inside a group, tile kt's wgmmas are issued
-    // before tile kt - 1's are waited for, and the A register set of tile kt - 1 is refilled with
-    // tile kt + 1's fragments only after that wait.
-    auto run_tile = [&](int kt, auto set_constant) {
-      constexpr int kSet = decltype(set_constant)::value;
-      const uint32_t w_big = smem_base + kBigOffset + (kt % kStages) * kWgWeightTileBytes;
-      const bool group_start = kt % kWgFlushTiles == 0;
-      const bool group_end = (kt + 1) % kWgFlushTiles == 0 || kt + 1 == num_k_tiles;
-      wgmma_fence();  // the A registers (ldmatrix) and acc (the last flush) were written normally
 #pragma unroll
-      for (int kk = 0; kk < kWgKSteps; ++kk) {
-        wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk),
-                             !(group_start && kk == 0));
-      }
-      wgmma_commit();
-      if (sum_w_squares) add_w_squares(kt);
-      // The flush reads acc right after the wait for all groups, in the same branch: ptxas
-      // serializes every wgmma of the kernel (warning C7514) when a read of the accumulator
-      // could follow a path that left a group in flight.
-      if (group_end) {
-        wgmma_wait_all();
-#pragma unroll
-        for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
-      } else {
-        wgmma_wait_one();
-      }
-      if (kt > 0) release_stage((kt - 1) % kStages);
-      if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
-    };
-    if (num_k_tiles > 0) load_x_fragments(0, 0);
-    // One accumulation chain per iteration, unrolled: no wgmma is in flight across the loop's back
-    // edge. With two tiles per iteration, a chain's wgmmas were in flight there, and ptxas copied
-    // the accumulator at the back edge behind an injected wait (info C7517), draining the pipe
-    // every two tiles.
-    static_assert(kWgFlushTiles % 2 == 0, "register sets alternate within a chain");
-    for (int kt0 = 0; kt0 < num_k_tiles; kt0 += kWgFlushTiles) {
-#pragma unroll
-      for (int j = 0; j < kWgFlushTiles; j += 2) {
-        if (kt0 + j < num_k_tiles) run_tile(kt0 + j, std::integral_constant<int, 0>{});
-        if (kt0 + j + 1 < num_k_tiles) run_tile(kt0 + j + 1, std::integral_constant<int, 1>{});
-      }
-      // Nothing is in flight here (the chain's last tile waited for all): this tells ptxas so.
-      wgmma_wait_all();
+    for (int kk = 0; kk < kWgKSteps; ++kk) {
+      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk), true);
     }
+    wgmma_commit();
+    if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
+    wgmma_wait_all();
+    // Every consumer thread arrives: mbarrier.arrive releases only the arriving thread's own
+    // earlier accesses (here its ldmatrix reads of the stage's x tile).
+    mbarrier_arrive(empty_barrier + 8 * stage);
+#pragma unroll
+    for (int i = 0; i < kWgAccum; ++i) total[i] += acc[i];
+  };
 
-    if (sum_x_squares) {
-      // The 4 lanes of a quad (t = lane % 4) hold different columns of the same two rows.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        x_squares[h] += __shfl_xor_sync(0xffffffffu, x_squares[h], 1);
-        x_squares[h] += __shfl_xor_sync(0xffffffffu, x_squares[h], 2);
-        const int64_t m = m0 + warpgroup * 64 + warp_in_group * 16 + (lane >> 2) + 8 * h;
-        if ((lane & 3) == 0 && m < p.rows) p.x_sumsq[split * p.rows + m] = x_squares[h];
-      }
-    }
-    if (sum_w_squares) {
-      w_squares += __shfl_xor_sync(0xffffffffu, w_squares, 1);  // the two halves of the row
-      const int64_t col = n0 + consumer / 2;
-      if (consumer % 2 == 0 && col < p.n) p.w_sumsq[split * p.n + col] = w_squares;
-    }
+  if (num_k_tiles > 0) load_x_fragments(0, 0);
+  for (int kt = 0; kt < num_k_tiles; kt += 2) {
+    run_tile(kt, std::integral_constant<int, 0>{});
+    if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
   }
 
   // Store: value 4 j + e of this thread is row g (+8 for e >= 2), column 8 j + 2 t (+1 for odd e).
@@ -637,9 +430,225 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
     }
   }
-  if constexpr (kMulticast) cluster_sync();
 #else
   __trap();  // launched only where the sm_90a code exists (see the host check in forward.cu)
+#endif  // FPG_WGMMA_DEVICE_CODE
+}
+
+
+// The certified pass 1's tensor maps, fp32 with the 128-byte swizzle: x (box 32 K x 128 rows) and
+// the weight (box 32 K x 256 rows), over the same operands as GemmParams' x and w.
+struct TmaMaps {
+  CUtensorMap x;
+  CUtensorMap w;
+};
+// ------------------------------------------------------------------------------------------------
+// The certified first pass: single-pass TF32, partial[s, b, n] = the tensor core's sum of
+// tf32(x[b, i]) tf32(w[n, i]) over split s, plus the split sums of squares of the rows (the
+// selection's error bound; forward_certified.cuh). Built for L2 traffic: the 128 x 128 tiles of
+// the 3xTF32 kernel read 32 KB from L2 per 0.5 M multiply-adds, and at B = 1024 pass 1 on them
+// moved 268 MB at ~5.3 TB/s (Nsight Compute) for 48 us, against ~18 us of TF32 MMA: bound by L2,
+// whose read bandwidth from all SMs measured ~6.4-7.6 TB/s with a plain streaming kernel. A
+// 128 x 256 tile reads 48 KB per 1 M multiply-adds (0.75x the bytes; 201 MB at B = 1024).
+//
+// CTA tile 128 (x rows) x 256 (weight rows) x 32 (K), 384 threads:
+//   warp 0, lane 0: the TMA producer (one 16 KB x box and one 32 KB weight box per stage, both
+//     128-byte swizzled, completing on the stage's full barrier);
+//   warps 1-3: the sums of squares, in the CTAs that owe them (n tile 0: its x rows; m tile 0: its
+//     weight rows), read from the landed stage: the consumers stay free for the MMAs;
+//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all 256 weight rows, one
+//     m64n256k8 wgmma per K step of 8 with both operands read from shared memory.
+// The tensor core accumulates the whole split (no float32 flush: 128 accumulator floats per
+// thread leave no room for a second set); the bound models that chain (certified_bound).
+// ------------------------------------------------------------------------------------------------
+constexpr int kPass1BlockM = 128;
+constexpr int kPass1BlockN = 256;
+constexpr int kPass1BlockK = 32;  // 128 bytes: one swizzle row
+constexpr int kPass1Stages = 4;
+constexpr int kPass1Accum = kPass1BlockN / 2;                      // floats per consumer thread
+constexpr int kPass1XTileBytes = kPass1BlockM * kPass1BlockK * 4;  // 16 KB
+constexpr int kPass1WTileBytes = kPass1BlockN * kPass1BlockK * 4;  // 32 KB
+constexpr int kPass1StageBytes = kPass1XTileBytes + kPass1WTileBytes;
+constexpr int kPass1BarrierOffset = kPass1Stages * kPass1StageBytes;
+constexpr int kPass1SmemBytes = kPass1BarrierOffset + 2 * kPass1Stages * 8 + kWgSwizzleAlign;
+constexpr int kPass1NormThreads = 96;  // warps 1-3
+constexpr int kPass1NormSlots = (kPass1BlockM + kPass1BlockN + kPass1NormThreads - 1) / kPass1NormThreads;
+// 128 x 56 + 256 x 224 = 64512 <= 384 x 168 (see kWgProducerRegisters): the consumers hold 128
+// accumulator floats, the producer warpgroup up to 16 partial sums of squares and a row's loads.
+constexpr int kPass1ProducerRegisters = 56;
+constexpr int kPass1ConsumerRegisters = 224;
+static_assert(kPass1SmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
+static_assert(kPass1StageBytes % kWgSwizzleAlign == 0 && kPass1XTileBytes % kWgSwizzleAlign == 0,
+              "swizzled tiles stay 1024-byte aligned");
+static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= kWgThreads * 168,
+              "setmaxnreg within the launch's registers");
+
+__global__ void __launch_bounds__(kWgThreads, 1)
+    certified_pass1_kernel(const GemmParams p, const __grid_constant__ TmaMaps maps) {
+#if FPG_WGMMA_DEVICE_CODE
+  allow_dependent_launch();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t smem_base =
+      (shared_address(smem_raw) + (kWgSwizzleAlign - 1)) & ~uint32_t{kWgSwizzleAlign - 1};
+  const unsigned char* smem = smem_raw + (smem_base - shared_address(smem_raw));
+  const uint32_t full_barrier = smem_base + kPass1BarrierOffset;
+  const uint32_t empty_barrier = full_barrier + 8 * kPass1Stages;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kPass1BlockN;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kPass1BlockM;
+  const int split = blockIdx.z;
+  const int64_t k_begin = split * p.k_per_split;
+  const int64_t k_end = k_begin + p.k_per_split < p.k ? k_begin + p.k_per_split : p.k;
+  const int num_k_tiles =
+      k_end > k_begin ? static_cast<int>((k_end - k_begin + kPass1BlockK - 1) / kPass1BlockK) : 0;
+  const bool sum_any = p.x_sumsq != nullptr || p.w_sumsq != nullptr;
+
+  // Full: the producer's expect_tx arrival plus the TMA bytes. Empty: one arrival per consumer
+  // warp (after its wgmmas on the stage completed) and per sum-of-squares warp (after its reads).
+  if (tid == 0) {
+    for (int s = 0; s < kPass1Stages; ++s) {
+      mbarrier_init(full_barrier + 8 * s, 1);
+      mbarrier_init(empty_barrier + 8 * s, kWgConsumerWarps + (sum_any ? kPass1NormThreads / 32 : 0));
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (warp < kWgProducerThreads / 32) {
+    set_max_registers<false, kPass1ProducerRegisters>();
+    if (warp == 0) {
+      if (lane == 0) {
+        for (int kt = 0; kt < num_k_tiles; ++kt) {
+          const int stage = kt % kPass1Stages;
+          if (kt >= kPass1Stages) {
+            mbarrier_wait(empty_barrier + 8 * stage, ((kt / kPass1Stages) - 1) & 1);
+          }
+          const uint32_t full = full_barrier + 8 * stage;
+          const uint32_t x_tile = smem_base + stage * kPass1StageBytes;
+          mbarrier_arrive_expect_tx(full, kPass1StageBytes);
+          // Boxes past the tensor's rows or K are zero-filled and still count their full bytes.
+          const int32_t k = static_cast<int32_t>(k_begin) + kt * kPass1BlockK;
+          tma_load(x_tile, &maps.x, k, static_cast<int32_t>(m0), full);
+          tma_load(x_tile + kPass1XTileBytes, &maps.w, k, static_cast<int32_t>(n0), full);
+        }
+      }
+      return;
+    }
+    if (!sum_any) return;
+    // Each x row's sum belongs to one CTA of its m tile (the n tiles share the tile's rows out),
+    // each weight row's to one CTA of its n tile (shared out among the m tiles): every CTA sums
+    // ~1 / n_tiles of its x tile and ~1 / m_tiles of its weight tile, and no sum needs adding
+    // across CTAs. (Summing whole tiles in the CTAs of n tile 0 and m tile 0, with one serial FMA
+    // chain per row, cost 17 us of pass 1's 51 at B = 1024.) Thread j takes rows j, j + 96, ...
+    // of that list; a 128-byte row holds its 32 floats in swizzled chunk order, which a sum over
+    // the whole row ignores; four partial sums per row keep the FMA chains short.
+    const int j = tid - 32;
+    const int x_share = (kPass1BlockM + gridDim.x - 1) / gridDim.x;
+    const int w_share = (kPass1BlockN + gridDim.y - 1) / gridDim.y;
+    const int x_first = min(static_cast<int>(blockIdx.x) * x_share, kPass1BlockM);
+    const int w_first = min(static_cast<int>(blockIdx.y) * w_share, kPass1BlockN);
+    const int x_rows = p.x_sumsq != nullptr ? min(x_first + x_share, kPass1BlockM) - x_first : 0;
+    const int w_rows = p.w_sumsq != nullptr ? min(w_first + w_share, kPass1BlockN) - w_first : 0;
+    int row_offset[kPass1NormSlots];  // bytes into a stage, or -1
+    float sums[kPass1NormSlots][4];
+#pragma unroll
+    for (int i = 0; i < kPass1NormSlots; ++i) {
+      const int slot = j + kPass1NormThreads * i;
+      row_offset[i] = slot < x_rows            ? (x_first + slot) * 128
+                      : slot < x_rows + w_rows ? kPass1XTileBytes + (w_first + slot - x_rows) * 128
+                                               : -1;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sums[i][e] = 0.f;
+    }
+    for (int kt = 0; kt < num_k_tiles; ++kt) {
+      const int stage = kt % kPass1Stages;
+      mbarrier_wait(full_barrier + 8 * stage, (kt / kPass1Stages) & 1);
+      const unsigned char* stage_bytes = smem + stage * kPass1StageBytes;
+#pragma unroll
+      for (int i = 0; i < kPass1NormSlots; ++i) {
+        if (row_offset[i] < 0) continue;
+#pragma unroll
+        for (int c = 0; c < kPass1BlockK / 4; ++c) {
+          const float4 v = *reinterpret_cast<const float4*>(stage_bytes + row_offset[i] + 16 * c);
+          sums[i][0] = fmaf(v.x, v.x, sums[i][0]);
+          sums[i][1] = fmaf(v.y, v.y, sums[i][1]);
+          sums[i][2] = fmaf(v.z, v.z, sums[i][2]);
+          sums[i][3] = fmaf(v.w, v.w, sums[i][3]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(empty_barrier + 8 * stage);
+    }
+#pragma unroll
+    for (int i = 0; i < kPass1NormSlots; ++i) {
+      const int slot = j + kPass1NormThreads * i;
+      const float sum = (sums[i][0] + sums[i][1]) + (sums[i][2] + sums[i][3]);
+      if (slot < x_rows) {
+        const int64_t m = m0 + x_first + slot;
+        if (m < p.rows) p.x_sumsq[split * p.rows + m] = sum;
+      } else if (slot < x_rows + w_rows) {
+        const int64_t col = n0 + w_first + slot - x_rows;
+        if (col < p.n) p.w_sumsq[split * p.n + col] = sum;
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  set_max_registers<true, kPass1ConsumerRegisters>();
+  const int consumer = warp / 4 - 1;  // x rows [64 c, 64 c + 64): 8 KB into the x tile
+  const int warp_in_group = warp % 4;
+  float acc[kPass1Accum];
+#pragma unroll
+  for (int i = 0; i < kPass1Accum; ++i) acc[i] = 0.f;
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    const int stage = kt % kPass1Stages;
+    mbarrier_wait(full_barrier + 8 * stage, (kt / kPass1Stages) & 1);
+    const uint32_t x_rows = smem_base + stage * kPass1StageBytes + consumer * 64 * 128;
+    const uint32_t w_tile = smem_base + stage * kPass1StageBytes + kPass1XTileBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kPass1BlockK / kWgMmaK; ++kk) {
+      wgmma_m64n256k8_tf32_ss(acc, weight_descriptor(x_rows + 32 * kk),
+                              weight_descriptor(w_tile + 32 * kk));
+    }
+    wgmma_commit();
+    // Tile kt - 1's wgmmas are done (this tile's may still run): its stage can be refilled.
+    wgmma_wait_one();
+    if (kt > 0) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(empty_barrier + 8 * ((kt - 1) % kPass1Stages));
+    }
+  }
+  wgmma_wait_all();
+
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  float* out = p.partial + split * p.split_stride;
+  const bool vec2 = (p.n % 2) == 0;  // then col even and col < N => col + 1 < N
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t m = m0 + consumer * 64 + warp_in_group * 16 + g + 8 * h;
+    if (m >= p.rows) continue;
+    float* out_row = out + m * p.n;
+#pragma unroll
+    for (int j = 0; j < kPass1BlockN / 8; ++j) {
+      const int64_t col = n0 + 8 * j + 2 * t;
+      const float v0 = acc[4 * j + 2 * h];
+      const float v1 = acc[4 * j + 2 * h + 1];
+      if (vec2) {
+        if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
+      } else {
+        if (col < p.n) out_row[col] = v0;
+        if (col + 1 < p.n) out_row[col + 1] = v1;
+      }
+    }
+  }
+#else
+  __trap();
 #endif  // FPG_WGMMA_DEVICE_CODE
 }
 
