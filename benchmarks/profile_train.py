@@ -1,0 +1,83 @@
+"""Where a training step's time goes: device time per kernel (torch.profiler), L2 flushed before each step.
+
+    python benchmarks/profile_train.py                         # B in {128, 1024, 4096}
+    python benchmarks/profile_train.py --batches 1024 --out /tmp/profile_train.json
+
+One step as bench_train.py times it for ours_model: grads set to None, ModelNew forward (fold +
+fused forward), out.sum().backward() into weight, bias and x. Prints the mean device time of every
+kernel the step launches, their sum, and the step's median (triton.testing.do_bench). Kernels
+launched as programmatic dependents (the forward's epilogue) include their wait for the kernel
+before them, so the sum can exceed the median. Shape: the default, K = O = 8192, k = 16, scale 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+import fused_pool_gelu
+
+FLUSH_BYTES = 256 * 1024 * 1024  # as triton.testing.do_bench: larger than the H200's 50 MB L2
+
+
+def profile(batch, in_features, out_features, pool, calls):
+    """Returns ({kernel: mean device time, us}, median time of one step, us)."""
+    torch.manual_seed(batch)
+    model = fused_pool_gelu.ModelNew(in_features, out_features, pool, 2.0).cuda()
+    x = torch.rand(batch, in_features, device="cuda", requires_grad=True)
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        model(x).sum().backward()
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.key_averages():
+        if event.count == 0 or event.device_time_total == 0:
+            continue
+        if "fill" in event.key.lower() or "zero" in event.key.lower():
+            continue  # the L2 flush
+        kernels[event.key] = event.device_time_total / calls
+    median_ms = triton.testing.do_bench(step, return_mode="median")
+    return kernels, median_ms * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
+    parser.add_argument("-K", type=int, default=8192)
+    parser.add_argument("-O", type=int, default=8192)
+    parser.add_argument("-k", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+
+    rows = []
+    for batch in args.batches:
+        kernels, median = profile(batch, args.K, args.O, args.k, args.calls)
+        total = sum(kernels.values())
+        rows.append({"B": batch, "K": args.K, "O": args.O, "k": args.k, "kernels_us": kernels,
+                     "sum_us": total, "median_us": median})
+        print(f"B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us", flush=True)
+        for name, us in sorted(kernels.items(), key=lambda item: -item[1]):
+            print(f"    {us:7.1f}  {name[:110]}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
