@@ -3,13 +3,14 @@
     python benchmarks/profile_forward.py                       # B in {1, 16, 32, 64, 128, 1024, 4096}
     python benchmarks/profile_forward.py --batches 1024 --out /tmp/profile.json
 
-For each batch size and each tensor-core GEMM path ("default": what the op picks on this GPU, wgmma
-on an sm_90a build on Hopper; "mma_sync": the portable kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1),
-prints the mean device time of every kernel the op launches and their sum. The difference between
-that sum and bench_forward.py's median is launch gaps and timer overhead. On sm_90+ the epilogue is a
-programmatic dependent launch: it starts while the GEMM runs and waits for it, so its device time
-includes that wait and the sum double-counts the overlap; the GEMM's own time stays exact. Shape: K = 8192, N = 512
-(the pooled default shape), weights ~ N(0, 0.01^2), x ~ U(0, 1).
+For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
+sm_90a build on Hopper; "mma_sync": the portable kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1),
+prints the mean device time of every kernel the op launches, their sum, and the call's median
+(fused_pool_gelu.timing, as bench_forward.py). On sm_90+ the kernels after the GEMM are
+programmatic dependent launches: they start while the one before runs and wait for it, so their
+device time includes that wait and the sum double-counts the overlap; the GEMM's own time and the
+median stay exact. Shape: K = 8192, N = 512 (the pooled default shape), weights ~ N(0, 0.01^2),
+x ~ U(0, 1).
 """
 
 from __future__ import annotations
@@ -21,11 +22,19 @@ import os
 import torch
 
 import fused_pool_gelu
+from fused_pool_gelu.timing import make_timer
 
+# The environment switches of each path (read by the op at every call).
+PATHS = {
+    "default": {},
+    "mma_sync": {"FUSED_POOL_GELU_FORCE_MMA_SYNC": "1"},
+}
+SWITCHES = sorted({name for switches in PATHS.values() for name in switches})
 FLUSH_BYTES = 256 * 1024 * 1024  # as triton.testing.do_bench: larger than the H200's 50 MB L2
 
 
 def profile(batch, in_features, pooled, calls):
+    """Returns ({kernel: mean device time, us}, median time of the whole call, us)."""
     gen = torch.Generator(device="cuda").manual_seed(batch)
     weight = torch.randn(pooled, in_features, device="cuda", generator=gen) * 0.01
     bias = torch.randn(pooled, device="cuda", generator=gen)
@@ -45,7 +54,10 @@ def profile(batch, in_features, pooled, calls):
         if event.count == 0 or "fill" in event.key.lower() or "zero" in event.key.lower():
             continue
         kernels[event.key] = event.device_time_total / calls
-    return kernels
+    time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
+    with torch.no_grad():
+        median_us = time_us(lambda: fused_pool_gelu.forward(x, weight, bias, 2.0))
+    return kernels, median_us
 
 
 def short_name(name):
@@ -57,6 +69,8 @@ def short_name(name):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS),
+                        default=["default", "mma_sync"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128, 1024, 4096])
     parser.add_argument("-K", type=int, default=8192)
     parser.add_argument("-N", type=int, default=512)
@@ -65,17 +79,19 @@ def main():
     args = parser.parse_args()
 
     rows = []
-    for path in ("default", "mma_sync"):
-        if path == "mma_sync":
-            os.environ["FUSED_POOL_GELU_FORCE_MMA_SYNC"] = "1"
+    for path in args.paths:
+        for name in SWITCHES:
+            os.environ.pop(name, None)
+        os.environ.update(PATHS[path])
         for batch in args.batches:
-            kernels = profile(batch, args.K, args.N, args.calls)
+            kernels, median = profile(batch, args.K, args.N, args.calls)
             total = sum(kernels.values())
             rows.append({"path": path, "B": batch, "K": args.K, "N": args.N,
-                         "kernels_us": kernels, "sum_us": total})
-            parts = ", ".join(f"{short_name(k)} {v:.1f}" for k, v in kernels.items())
-            print(f"{path:8s} B={batch:5d}: sum {total:7.1f} us  ({parts})", flush=True)
-        os.environ.pop("FUSED_POOL_GELU_FORCE_MMA_SYNC", None)
+                         "kernels_us": kernels, "sum_us": total, "median_us": median})
+            parts = ", ".join(f"{short_name(k)} {v:.1f}" for k, v in kernels.items()
+                              if v > 0)
+            print(f"{path:8s} B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us"
+                  f"  ({parts})", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
