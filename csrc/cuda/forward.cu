@@ -514,23 +514,24 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
   TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
   TORCH_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
               " splits");
-  // Row tiles go on grid y (at most 65535): larger batches are launched in slices of rows.
-  const int64_t rows_per_launch = kMaxGridYZ * fg::kTcBlockM;
-  for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
-    const fg::GemmParams p = gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split,
-                                         row0, rows_per_launch);
-    // n tiles fastest: the CTAs running together share x row tiles, and the weight (N x K, the
-    // smaller operand at large B) stays in L2 while the batch is swept.
-    const dim3 grid(static_cast<unsigned>(n_tiles),
-                    static_cast<unsigned>(ceil_div(p.rows, int64_t{fg::kTcBlockM})),
-                    static_cast<unsigned>(plan.splits));
-    if (plan.wgmma) {
-      fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
-    } else {
-      fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Row tiles go on grid y (at most 65535). A workspace slice holds at most kMaxWorkspaceFloats
+  // partial sums, at least one per row, so its row tiles always fit there: one launch.
+  static_assert(kMaxWorkspaceFloats <= kMaxGridYZ * fg::kTcBlockM, "slice row tiles fit grid y");
+  TORCH_CHECK(batch <= kMaxGridYZ * fg::kTcBlockM, "fused_pool_gelu.forward: internal error: ",
+              batch, " rows in one tensor-core launch");
+  const fg::GemmParams p =
+      gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
+  // n tiles fastest: the CTAs running together share x row tiles, and the weight (N x K, the
+  // smaller operand at large B) stays in L2 while the batch is swept.
+  const dim3 grid(static_cast<unsigned>(n_tiles),
+                  static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcBlockM})),
+                  static_cast<unsigned>(plan.splits));
+  if (plan.wgmma) {
+    fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
+  } else {
+    fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Rows per slice (see kMaxWorkspaceFloats): all of them when one split of the whole batch fits,
