@@ -7,8 +7,10 @@ One step as bench_train.py times it for ours_model: grads set to None, ModelNew 
 fused forward), out.sum().backward() into weight, bias and x. Prints the mean device time of every
 kernel the step launches, their sum, and the step's median (fused_pool_gelu.timing, as
 bench_train.py). Kernels launched as programmatic dependents (the forward's epilogue) include their
-wait for the kernel before them, so the sum can exceed the median; at small B the median is host
-time. Shape: the default, K = O = 8192, k = 16, scale 2.
+wait for the kernel before them, so the sum can exceed the median. The median is host-bound on a
+slow host (on the H200 machine at B = 1024 it ranged 306-562 us between runs while bench_train.py
+measured 303): read this script for the kernels, bench_train.py for the step's time. Shape: the
+default, K = O = 8192, k = 16, scale 2.
 """
 
 from __future__ import annotations
