@@ -21,6 +21,7 @@ import os
 
 import torch
 
+import common
 import fused_pool_gelu
 from fused_pool_gelu.timing import make_timer
 
@@ -30,7 +31,6 @@ PATHS = {
     "mma_sync": {"FUSED_POOL_GELU_FORCE_MMA_SYNC": "1"},
 }
 SWITCHES = sorted({name for switches in PATHS.values() for name in switches})
-FLUSH_BYTES = 256 * 1024 * 1024  # as triton.testing.do_bench: larger than the H200's 50 MB L2
 
 
 def profile(batch, in_features, pooled, calls):
@@ -39,25 +39,13 @@ def profile(batch, in_features, pooled, calls):
     weight = torch.randn(pooled, in_features, device="cuda", generator=gen) * 0.01
     bias = torch.randn(pooled, device="cuda", generator=gen)
     x = torch.rand(batch, in_features, device="cuda", generator=gen)
-    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    with torch.no_grad():
-        for _ in range(5):
+
+    def call():
+        with torch.no_grad():
             fused_pool_gelu.forward(x, weight, bias, 2.0)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                flush.zero_()
-                fused_pool_gelu.forward(x, weight, bias, 2.0)
-            torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.key_averages():
-        if event.count == 0 or "fill" in event.key.lower() or "zero" in event.key.lower():
-            continue
-        kernels[event.key] = event.device_time_total / calls
+
     time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
-    with torch.no_grad():
-        median_us = time_us(lambda: fused_pool_gelu.forward(x, weight, bias, 2.0))
-    return kernels, median_us
+    return common.kernel_device_times(call, calls), time_us(call)
 
 
 def short_name(name):

@@ -20,10 +20,9 @@ import json
 
 import torch
 
+import common
 import fused_pool_gelu
 from fused_pool_gelu.timing import make_timer
-
-FLUSH_BYTES = 256 * 1024 * 1024  # as triton.testing.do_bench: larger than the H200's 50 MB L2
 
 
 def profile(batch, in_features, out_features, pool, calls):
@@ -31,30 +30,14 @@ def profile(batch, in_features, out_features, pool, calls):
     torch.manual_seed(batch)
     model = fused_pool_gelu.ModelNew(in_features, out_features, pool, 2.0).cuda()
     x = torch.rand(batch, in_features, device="cuda", requires_grad=True)
-    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
 
     def step():
         model.zero_grad(set_to_none=True)
         x.grad = None
         model(x).sum().backward()
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            flush.zero_()
-            step()
-        torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.key_averages():
-        if event.count == 0 or event.device_time_total == 0:
-            continue
-        if "fill" in event.key.lower() or "zero" in event.key.lower():
-            continue  # the L2 flush
-        kernels[event.key] = event.device_time_total / calls
     time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
-    return kernels, time_us(step)
+    return common.kernel_device_times(step, calls), time_us(step)
 
 
 def main():
