@@ -371,6 +371,17 @@ def kernel_device_times(fn: Callable[[], None], calls: int, warmup: int = 5) -> 
     return kernels
 
 
+def write_profile(path: Optional[str], rows: List[dict]) -> None:
+    """The profile_*.py scripts' rows as JSON at path (nothing when path is None)."""
+    if path is None:
+        return
+    import torch
+
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "rows": rows}, f, indent=1)
+
+
 def error_metrics(out, ref64) -> dict:
     """rel_err_fp64 = ||out - ref64|| / ||ref64|| (2-norm over all elements), max_abs_err."""
     diff = out.detach().double() - ref64

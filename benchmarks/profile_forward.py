@@ -16,7 +16,6 @@ x ~ U(0, 1).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -80,10 +79,7 @@ def main():
                               if v > 0)
             print(f"{path:8s} B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us"
                   f"  ({parts})", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+    common.write_profile(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ default, K = O = 8192, k = 16, scale 2.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -59,10 +58,7 @@ def main():
         print(f"B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us", flush=True)
         for name, us in sorted(kernels.items(), key=lambda item: -item[1]):
             print(f"    {us:7.1f}  {name[:110]}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+    common.write_profile(args.out, rows)
 
 
 if __name__ == "__main__":
