@@ -1,4 +1,4 @@
-"""Shared machinery of bench_forward.py, bench_train.py and plot.py.
+"""Shared machinery of bench_forward.py, bench_train.py, plot.py and the profile_*.py scripts.
 
 One process times every implementation ("impl") on the same weights and inputs:
   * CUDA: ``triton.testing.do_bench(fn, warmup, rep, return_mode="median")``, which flushes L2
@@ -344,6 +344,42 @@ def free_memory(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def kernel_device_times(fn: Callable[[], None], calls: int, warmup: int = 5) -> Dict[str, float]:
+    """Mean device time (us) per call of every CUDA kernel fn launches (torch.profiler), over
+    `calls` calls with L2 flushed before each one as do_bench does; the flush's own fill kernel is
+    left out."""
+    import torch
+
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.key_averages():
+        if event.count == 0 or event.device_time_total == 0:
+            continue
+        if "fill" in event.key.lower() or "zero" in event.key.lower():
+            continue  # the flush
+        kernels[event.key] = event.device_time_total / calls
+    return kernels
+
+
+def write_profile(path: Optional[str], rows: List[dict]) -> None:
+    """The profile_*.py scripts' rows as JSON at path (nothing when path is None)."""
+    if path is None:
+        return
+    import torch
+
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "rows": rows}, f, indent=1)
 
 
 def error_metrics(out, ref64) -> dict:

@@ -4,27 +4,27 @@
     python benchmarks/profile_forward.py --batches 1024 --out /tmp/profile.json
 
 For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
-sm_90a build on Hopper; "mma_sync": the portable kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1;
-"certified" and "multicast": the experimental certified single pass, its first pass loading with
-cp.async or with TMA multicast),
+sm_90a build on Hopper: the certified path from 512 rows, 3xTF32 below; "mma_sync": the portable
+kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1; "certified" / "3xtf32": the certified single pass
+forced on / off, FUSED_POOL_GELU_CERTIFIED=1 / 0),
 prints the mean device time of every kernel the op launches, their sum, and the call's median
-(triton.testing.do_bench, as bench_forward.py). On sm_90+ the kernels after the GEMM are
+(fused_pool_gelu.timing, as bench_forward.py). On sm_90+ the kernels after the GEMM are
 programmatic dependent launches: they start while the one before runs and wait for it, so their
 device time includes that wait and the sum double-counts the overlap; the GEMM's own time and the
-median stay exact. Shape: K = 8192, N = 512
-(the pooled default shape), weights ~ N(0, 0.01^2), x ~ U(0, 1).
+median stay exact. Shape: K = 8192, N = 512 (the pooled default shape), weights ~ N(0, 0.01^2),
+x ~ U(0, 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
-import triton.testing
 
+import common
 import fused_pool_gelu
+from fused_pool_gelu.timing import make_timer
 
 # The environment switches of each path (read by the op at every call).
 PATHS = {
@@ -34,7 +34,6 @@ PATHS = {
     "3xtf32": {"FUSED_POOL_GELU_CERTIFIED": "0"},
 }
 SWITCHES = sorted({name for switches in PATHS.values() for name in switches})
-FLUSH_BYTES = 256 * 1024 * 1024  # as triton.testing.do_bench: larger than the H200's 50 MB L2
 
 
 def profile(batch, in_features, pooled, calls):
@@ -43,25 +42,13 @@ def profile(batch, in_features, pooled, calls):
     weight = torch.randn(pooled, in_features, device="cuda", generator=gen) * 0.01
     bias = torch.randn(pooled, device="cuda", generator=gen)
     x = torch.rand(batch, in_features, device="cuda", generator=gen)
-    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    with torch.no_grad():
-        for _ in range(5):
+
+    def call():
+        with torch.no_grad():
             fused_pool_gelu.forward(x, weight, bias, 2.0)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                flush.zero_()
-                fused_pool_gelu.forward(x, weight, bias, 2.0)
-            torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.key_averages():
-        if event.count == 0 or "fill" in event.key.lower() or "zero" in event.key.lower():
-            continue
-        kernels[event.key] = event.device_time_total / calls
-    with torch.no_grad():
-        median_ms = triton.testing.do_bench(
-            lambda: fused_pool_gelu.forward(x, weight, bias, 2.0), return_mode="median")
-    return kernels, median_ms * 1e3
+
+    time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
+    return common.kernel_device_times(call, calls), time_us(call)
 
 
 def short_name(name):
@@ -74,7 +61,8 @@ def short_name(name):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=["default", "mma_sync"])
+    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS),
+                        default=["default", "mma_sync"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128, 1024, 4096])
     parser.add_argument("-K", type=int, default=8192)
     parser.add_argument("-N", type=int, default=512)
@@ -96,10 +84,7 @@ def main():
                               if v > 0)
             print(f"{path:8s} B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us"
                   f"  ({parts})", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+    common.write_profile(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A small workload that runs every CUDA kernel once, for compute-sanitizer (scripts/sanitize.sh).
 
 Shapes are small (the tools slow kernels down 10-100x) but odd, so that every tail path, the
-small-batch (row-parallel and split-K GEMV) and the tensor-core forward paths, the misaligned slow path and the backward all run.
+small-batch (row-parallel and split-K GEMV) and the tensor-core forward paths, the misaligned slow
+path and the backward all run.
 Both tensor-core GEMMs run: the default one (wgmma on an sm_90a build on Hopper) and the portable
 mma.sync one (FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
 """

@@ -225,4 +225,3 @@ def _capture_graph(fn):
 @pytest.fixture
 def capture_graph():
     return _capture_graph
-

@@ -1,0 +1,65 @@
+"""Where a training step's time goes: device time per kernel (torch.profiler), L2 flushed per step.
+
+    python benchmarks/profile_train.py                         # B in {128, 1024, 4096}
+    python benchmarks/profile_train.py --batches 1024 --out /tmp/profile_train.json
+
+One step as bench_train.py times it for ours_model: grads set to None, ModelNew forward (fold +
+fused forward), out.sum().backward() into weight, bias and x. Prints the mean device time of every
+kernel the step launches, their sum, and the step's median (fused_pool_gelu.timing, as
+bench_train.py). Kernels launched as programmatic dependents (the forward's epilogue) include their
+wait for the kernel before them, so the sum can exceed the median. The median is host-bound on a
+slow host (on the H200 machine at B = 1024 it ranged 306-562 us between runs while bench_train.py
+measured 303): read this script for the kernels, bench_train.py for the step's time. Shape: the
+default, K = O = 8192, k = 16, scale 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import common
+import fused_pool_gelu
+from fused_pool_gelu.timing import make_timer
+
+
+def profile(batch, in_features, out_features, pool, calls):
+    """Returns ({kernel: mean device time, us}, median time of one step, us)."""
+    torch.manual_seed(batch)
+    model = fused_pool_gelu.ModelNew(in_features, out_features, pool, 2.0).cuda()
+    x = torch.rand(batch, in_features, device="cuda", requires_grad=True)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        model(x).sum().backward()
+
+    time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
+    return common.kernel_device_times(step, calls), time_us(step)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
+    parser.add_argument("-K", type=int, default=8192)
+    parser.add_argument("-O", type=int, default=8192)
+    parser.add_argument("-k", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+
+    rows = []
+    for batch in args.batches:
+        kernels, median = profile(batch, args.K, args.O, args.k, args.calls)
+        total = sum(kernels.values())
+        rows.append({"B": batch, "K": args.K, "O": args.O, "k": args.k, "kernels_us": kernels,
+                     "sum_us": total, "median_us": median})
+        print(f"B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us", flush=True)
+        for name, us in sorted(kernels.items(), key=lambda item: -item[1]):
+            print(f"    {us:7.1f}  {name[:110]}", flush=True)
+    common.write_profile(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
