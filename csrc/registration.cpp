@@ -65,7 +65,7 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
   m.def(
       "model_forward(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, float scale) "
       "-> Tensor");
-  // Diagnostics of the experimental certified forward (CUDA, sm_90a; FUSED_POOL_GELU_CERTIFIED):
+  // Diagnostics of the certified forward (CUDA, sm_90a; csrc/cuda/forward_certified.cuh):
   // per row of x, how many columns its selection sends to the float32 rescoring (-1: every one).
   m.def(
       "_certified_candidate_counts(Tensor x, Tensor weight, Tensor? bias, float scale) -> Tensor");

@@ -3,8 +3,9 @@
 #   scripts/sanitize.sh                        scripts/sanitize_case.py (every kernel and path once,
 #                                              small odd shapes) under all four tools
 #   SANITIZE_TOOLS="memcheck racecheck"        a subset of the four tools
-#   SANITIZE_TESTS="odd_shapes or misaligned"  also these GPU tests (pytest -k over tests/test_cuda.py,
-#                                              the kernel tests; not slow, not profiler) under each tool
+#   SANITIZE_TESTS="odd_shapes or misaligned"  also these GPU tests (pytest -k over tests/test_cuda.py
+#                                              and test_certified.py, the kernel tests; not slow, not
+#                                              profiler) under each tool
 #   SANITIZE_TESTS=cuda                        every one of them (-k also matches marker names)
 #
 # PyTorch's caching allocator hides out-of-bounds accesses inside its pooled blocks, so the tests
@@ -44,7 +45,8 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
   if [[ -n "${SANITIZE_TESTS:-}" ]]; then
     echo "== ${sanitize[*]}: tests -k '$selection' (caching allocator off)"
     (cd "$here/../tests" && PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${sanitize[@]}" "${pytest_gpu[@]}" \
-      -m "cuda and not slow and not profiler and not graphs" -k "$selection" test_cuda.py) || status=1
+      -m "cuda and not slow and not profiler and not graphs" -k "$selection" test_cuda.py \
+      test_certified.py) || status=1
     echo "== ${sanitize[*]}: tests -k '$selection', graph captures (caching allocator on)"
     (cd "$here/../tests" && "${sanitize[@]}" "${pytest_gpu[@]}" \
       -m "cuda and graphs and not slow and not profiler" -k "$selection" test_cuda.py) || status=1

@@ -3,8 +3,10 @@
 Shapes are small (the tools slow kernels down 10-100x) but odd, so that every tail path, the
 small-batch (row-parallel and split-K GEMV) and the tensor-core forward paths, the misaligned slow
 path and the backward all run.
-Both tensor-core GEMMs run: the default one (wgmma on an sm_90a build on Hopper) and the portable
-mma.sync one (FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
+Every forward path runs: the default (on an sm_90a build on Hopper the certified path from 1024
+rows, the 3xTF32 wgmma GEMM below), each of those two forced for every batch
+(FUSED_POOL_GELU_CERTIFIED=1 / 0), and the portable mma.sync GEMM
+(FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
 """
 
 import os
@@ -22,8 +24,16 @@ cases = [  # (batch, in_features, out_features, pool_kernel_size)
     (300, 520, 1030, 4),   # tensor-core path with M, N, K tails
     (1024, 256, 512, 16),  # tensor-core path, full tiles
 ]
-for force_mma_sync, (batch, k_in, o, k) in [(f, c) for f in ("0", "1") for c in cases]:
-    os.environ["FUSED_POOL_GELU_FORCE_MMA_SYNC"] = force_mma_sync
+paths = [
+    {},
+    {"FUSED_POOL_GELU_CERTIFIED": "1"},
+    {"FUSED_POOL_GELU_CERTIFIED": "0"},
+    {"FUSED_POOL_GELU_FORCE_MMA_SYNC": "1"},
+]
+for switches, (batch, k_in, o, k) in [(p, c) for p in paths for c in cases]:
+    for name in ("FUSED_POOL_GELU_CERTIFIED", "FUSED_POOL_GELU_FORCE_MMA_SYNC"):
+        os.environ.pop(name, None)
+    os.environ.update(switches)
     model = fpg.ModelNew(k_in, o, k, 2.0).to(device)
     x = torch.rand(batch, k_in, device=device, requires_grad=True)
     out = model(x)

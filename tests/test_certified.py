@@ -1,4 +1,4 @@
-"""The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch rows;
+"""The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch = 1024 rows;
 FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies): a single-pass TF32 GEMM with a proven
 error bound, then float32 rescoring of the columns that may still hold each row's maximum.
 
@@ -166,3 +166,21 @@ def test_rows_with_inf_or_nan(certified, make_inputs, check_forward):
     out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((counts == -1).all())
+
+
+@pytest.mark.parametrize("batch", [1023, 1024])
+def test_the_default_takes_the_certified_path_from_1024_rows(batch, certified, monkeypatch):
+    x = torch.rand(batch, 2048, device=DEVICE)
+    weight = torch.randn(256, 2048, device=DEVICE) * 0.02
+    bias = torch.randn(256, device=DEVICE)
+    forced = _OPS.forward_with_argmax(x, weight, bias, 2.0)  # the fixture forces it on
+    monkeypatch.setenv("FUSED_POOL_GELU_CERTIFIED", "0")
+    off = _OPS.forward_with_argmax(x, weight, bias, 2.0)
+    monkeypatch.delenv("FUSED_POOL_GELU_CERTIFIED")
+    default = _OPS.forward_with_argmax(x, weight, bias, 2.0)
+    # The two paths round differently (float32 dot products in another order): some output
+    # differs in its last bits, and the default matches exactly one of them bitwise.
+    assert not all(torch.equal(a, b) for a, b in zip(forced, off))
+    expected = forced if batch >= 1024 else off
+    for a, b in zip(default, expected):
+        assert torch.equal(a, b)

@@ -282,15 +282,24 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
 TC_SHAPES = [(33, 5, 7), (100, 257, 130), (1000, 4099, 513), (129, 32, 129), (1024, 8192, 512)]
 
 
-@pytest.mark.parametrize("force_mma_sync", [False, True], ids=["default", "mma_sync"])
+# "default": what the op picks (on sm_90a the certified path from 1024 rows); "3xtf32": the 3xTF32
+# GEMM at every batch (FUSED_POOL_GELU_CERTIFIED=0); "mma_sync": the portable kernel.
+PATH_SWITCHES = {
+    "default": {},
+    "3xtf32": {"FUSED_POOL_GELU_CERTIFIED": "0"},
+    "mma_sync": {"FUSED_POOL_GELU_FORCE_MMA_SYNC": "1"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATH_SWITCHES))
 @pytest.mark.parametrize(
     "batch,in_features,pooled", TC_SHAPES, ids=[f"B{b}-K{k}-N{n}" for b, k, n in TC_SHAPES]
 )
 def test_tensor_core_gemms_match_float64(
-    batch, in_features, pooled, force_mma_sync, monkeypatch, make_inputs, check_forward
+    batch, in_features, pooled, path, monkeypatch, make_inputs, check_forward
 ):
-    if force_mma_sync:
-        monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
+    for name, value in PATH_SWITCHES[path].items():
+        monkeypatch.setenv(name, value)
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)

@@ -63,9 +63,15 @@ namespace fg = forward_gemm;
 // 128-row tiles are mostly padding below ~32 rows.
 constexpr int64_t kSimtMaxBatch = 32;
 
-// The certified path (see the top) from this batch on: below it the 3xTF32 GEMM was faster on the
-// H200 (B = 128: 33.4 against 48.6 us; B = 1024: 88.2 against 82.5; benchmarks/NOTES.md).
-constexpr int64_t kCertifiedMinBatch = 512;
+// The certified path (see the top) from this batch on. H200 medians, certified against 3xTF32:
+// B = 512 62.6 / 49.9 us, B = 1024 82.0 / 89.0, B = 4096 227.8 / 331.6 (benchmarks/NOTES.md); the
+// lines cross near 850 rows, 1024 is the smallest batch measured faster.
+constexpr int64_t kCertifiedMinBatch = 1024;
+// Splits of the certified pass 1, at most: the selection reads every split's partial of every
+// (row, column), and its workspace (splits x rows x N partials, plus the norms and candidate
+// lists) then stays at or below 8 x rows x N floats, under one [B, O] tensor for pooling windows
+// k >= 9 (docs/input_classes.md). The default shape takes 8 anyway (16 tiles x 8 = 128 CTAs).
+constexpr int64_t kCertifiedMaxSplits = 8;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
@@ -291,7 +297,8 @@ const DeviceInfo& device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     info->dependent_launch = major >= 9;
-    if (FPG_WITH_SM90A && major == 9 && minor == 0 && std::max(fg::kWgSmemBytes, fg::kPass1SmemBytes) <= max_smem_optin) {
+    if (FPG_WITH_SM90A && major == 9 && minor == 0 &&
+        std::max(fg::kWgSmemBytes, fg::kPass1SmemBytes) <= max_smem_optin) {
       cudaFuncAttributes attributes{};
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
       if (attributes.binaryVersion == 90) {
@@ -649,7 +656,7 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   // One CTA per SM (the kernel's shared memory); the whole split is one tensor-core chain.
   const int64_t k_per_split =
       plan_k_tiles_per_split(tiles, ceil_div(k_padded, int64_t{fg::kPass1BlockK}), info.sms,
-                             kMaxWorkspaceFloats / (batch * n)) *
+                             std::min(kCertifiedMaxSplits, kMaxWorkspaceFloats / (batch * n))) *
       fg::kPass1BlockK;
   const int64_t splits = ceil_div(k_padded, k_per_split);
   // Freed on return: the caching allocator reuses it only after this stream's kernels.
