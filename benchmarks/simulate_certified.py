@@ -2,7 +2,11 @@
 pass"): how tight the bound is and how many columns each row sends to the rescoring.
 
     python benchmarks/simulate_certified.py                  # default shape, x ~ randn, 3 seeds
-    python benchmarks/simulate_certified.py --x-dist rand -B 1024 -K 8192 -N 512 --splits 4
+    python benchmarks/simulate_certified.py --x-dist rand -B 1024 -K 8192 -N 512 --splits 8
+    python benchmarks/simulate_certified.py --x-dist rand --weights model   # the benchmarks' data
+
+--weights uniform draws the pooled weight like one nn.Linear(K, N) row set; --weights model draws
+nn.Linear(K, N * k) (k = 16) and pools it as the fold does, which is what the benchmarks run.
 
 Pass 1 is emulated as the bound models it: operands truncated to TF32 (low 13 mantissa bits
 cleared), float32 products and sums per split, split sums and bias in float32. The bound and the
@@ -22,7 +26,7 @@ import torch
 
 X0 = -0.7517915246935645  # argmin of gelu
 GELU_MIN = -0.16997120747990369
-FLUSH_K = 256  # products per tensor-core accumulation chain in pass 1
+POOL = 16  # the default pooling window, for --weights model
 
 
 def gamma(terms, u):
@@ -37,7 +41,7 @@ def tf32(a):
     return (a.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-def simulate(batch, in_features, pooled, splits, scale, x_dist, seed):
+def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed):
     torch.manual_seed(seed)
     bound = 1 / math.sqrt(in_features)
     if x_dist == "randn":
@@ -45,8 +49,13 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, seed):
     else:
         x = torch.rand(batch, in_features, dtype=torch.float64)
     x = x.float().numpy()
-    w = ((torch.rand(pooled, in_features, dtype=torch.float64) * 2 - 1) * bound).float().numpy()
-    b = ((torch.rand(pooled, dtype=torch.float64) * 2 - 1) * bound).float().numpy()
+    rows = pooled * (POOL if weights == "model" else 1)
+    w = (torch.rand(rows, in_features) * 2 - 1) * bound
+    b = (torch.rand(rows) * 2 - 1) * bound
+    if weights == "model":
+        w = w.view(pooled, POOL, in_features).mean(1)
+        b = b.view(pooled, POOL).mean(1)
+    w, b = w.float().numpy(), b.float().numpy()
 
     z_tf32 = np.zeros((batch, pooled), np.float32)
     edges = np.linspace(0, in_features, splits + 1).astype(int)
@@ -56,9 +65,10 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, seed):
     z64 = x.astype(np.float64) @ w.astype(np.float64).T + b
 
     k, s = in_features, splits
-    # Tensor-core chains of FLUSH_K products (kernel: kWgFlushTiles x 32), then float32 sums.
-    g_sum = gamma(math.ceil(k / FLUSH_K) + s + 2, 2.0**-24)
-    g_tc = 10 * (FLUSH_K / 8 + 1) * 2.0**-23
+    # One tensor-core chain per split (certified_pass1_kernel), then float32 sums.
+    chain = math.ceil(k / s)
+    g_sum = gamma(math.ceil(k / chain) + s + 2, 2.0**-24)
+    g_tc = gamma(math.ceil(chain / 8), 10 * 2.0**-23)
     g = g_tc * (1 + g_sum) + g_sum
     slack = 1 + gamma(k + s, 2.0**-24) + 2.0**-22
     x_norm = np.sqrt((x.astype(np.float64) ** 2).sum(1)) * slack
@@ -90,13 +100,15 @@ def main():
     parser.add_argument("-B", type=int, default=1024)
     parser.add_argument("-K", type=int, default=8192)
     parser.add_argument("-N", type=int, default=512)
-    parser.add_argument("--splits", type=int, default=4)
+    parser.add_argument("--splits", type=int, default=8)
     parser.add_argument("--scale", type=float, default=2.0)
     parser.add_argument("--x-dist", choices=["randn", "rand"], default="randn")
+    parser.add_argument("--weights", choices=["uniform", "model"], default="uniform")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     for seed in args.seeds:
-        print(seed, simulate(args.B, args.K, args.N, args.splits, args.scale, args.x_dist, seed))
+        print(seed, simulate(args.B, args.K, args.N, args.splits, args.scale, args.x_dist,
+                             args.weights, seed))
 
 
 if __name__ == "__main__":
