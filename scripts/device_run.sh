@@ -58,7 +58,7 @@ for stage in "$@"; do
       ;;
     profile-certified)
       run_stage profile-certified /tmp python3 "$ROOT/benchmarks/profile_forward.py" \
-        --paths certified 3xtf32 --batches 128 256 512 1024 4096 --out "$OUT/profile-certified.json"
+        --paths certified 3xtf32 --batches 128 1024 1536 4096 --out "$OUT/profile-certified.json"
       ;;
     profile)
       run_stage profile /tmp python3 "$ROOT/benchmarks/profile_forward.py" --out "$OUT/profile.json"

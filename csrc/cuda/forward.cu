@@ -63,10 +63,12 @@ namespace fg = forward_gemm;
 // 128-row tiles are mostly padding below ~32 rows.
 constexpr int64_t kSimtMaxBatch = 32;
 
-// The certified path (see the top) from this batch on. H200 medians, certified against 3xTF32:
-// B = 512 62.6 / 49.9 us, B = 1024 82.0 / 89.0, B = 4096 227.8 / 331.6 (benchmarks/NOTES.md); the
-// lines cross near 850 rows, 1024 is the smallest batch measured faster.
-constexpr int64_t kCertifiedMinBatch = 1024;
+// The certified path (see the top) from this batch on. H200 medians on the benchmarks' data (a
+// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32: B = 1024 96.5 / 88.1 us, 1536 123.8 /
+// 138.0, 2048 155.3 / 167.2, 4096 274.4 / 335.0 (benchmarks/NOTES.md): 1536 is the smallest batch
+// measured faster. Its rescoring, ~4-5 float32 dot products per row on that data, is what keeps it
+// behind at 1024.
+constexpr int64_t kCertifiedMinBatch = 1536;
 // Splits of the certified pass 1, at most: the selection reads every split's partial of every
 // (row, column), and its workspace (splits x rows x N partials, plus the norms and candidate
 // lists) then stays at or below 8 x rows x N floats, under one [B, O] tensor for pooling windows
