@@ -732,13 +732,8 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
     const int64_t blocks = ceil_div(p.batch, int64_t{kRowsPerCta});
     TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu.forward: batch too large (", p.batch, ")");
     cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(blocks));
-    config.blockDim = dim3(kEpilogueThreads);
-    config.stream = stream;
-    config.attrs = &attribute;
+    cudaLaunchConfig_t config =
+        dependent_launch_config(blocks, kEpilogueThreads, stream, attribute);
     config.numAttrs = dependent_launch ? 1 : 0;
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &config, argmax_epilogue_kernel<kThreadsPerRow, decltype(split_batch)::value, out_t>, p,

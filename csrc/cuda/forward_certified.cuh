@@ -1,6 +1,7 @@
-// Certified single pass (FUSED_POOL_GELU_CERTIFIED=1, sm_90a, float32; issue #4, plan in
-// benchmarks/NOTES.md): a single-pass TF32 GEMM gives every z[b, n] up to a proven error bound;
-// only the columns that may still hold the row's maximum are recomputed in float32.
+// Certified single pass (sm_90a, float32; the default from kCertifiedMinBatch rows, see forward.cu
+// and FUSED_POOL_GELU_CERTIFIED; measurements in benchmarks/NOTES.md): a single-pass TF32 GEMM
+// gives every z[b, n] up to a proven error bound; only the columns that may still hold the row's
+// maximum are recomputed in float32.
 //
 // The bound. z = x . w + bias over K; pass 1 computes z~ = sum over splits s of the tensor core's
 // sum of tf32(x_i) tf32(w_i) over the split's K range, plus bias, in float32.
@@ -17,8 +18,9 @@
 //     from a zeroed accumulator to the float32 registers it is added into) then errs by at most
 //     ((1 + 10 u)^m - 1) sum |p| <= g_tc sum |p|, g_tc = gamma_m(10 u) (each step's error is at
 //     most 10 u times sums that earlier steps grew by at most (1 + 10 u) each). C is a whole
-//     split in certified_pass1_kernel (its 128 accumulator floats per thread leave no room for a
-//     second set) and 256 in the multicast kernel, which flushes every kWgFlushTiles tiles.
+//     split in certified_pass1_kernel: its 128 accumulator floats per thread leave no room for a
+//     second set to flush into (at the default shape, 1024 products: g_tc ~ 2^-12.7, next to the
+//     operands' 2^-9).
 //  4. Float32 additions (round to nearest, no flush): the chains' results, the S split partials
 //     and the bias, at most K / C + S + 2 deep: g_sum = gamma_{K/C + S + 2}(2^-24), with
 //     gamma_m(u) = m u / (1 - m u).

@@ -247,6 +247,37 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32_ss(float (&d)[128], uint64_
 #undef FPG_ACC32
 #undef FPG_ACC8
 
+// Stores one consumer warp's share of an m64nN wgmma accumulator as split `split`'s partial sums:
+// value 4 j + e of this thread is row g (+8 for e >= 2) of the warp's 16 rows starting at `row0`,
+// column n0 + 8 j + 2 t (+1 for odd e), g = lane / 4, t = lane % 4; rows and columns past the
+// launch's clipped.
+template <int kAccum>
+__device__ __forceinline__ void store_partial(const GemmParams& p, const float (&acc)[kAccum],
+                                              int split, int64_t row0, int64_t n0, int lane) {
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  float* out = p.partial + split * p.split_stride;
+  const bool vec2 = (p.n % 2) == 0;  // then col even and col < N => col + 1 < N
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t m = row0 + g + 8 * h;
+    if (m >= p.rows) continue;
+    float* out_row = out + m * p.n;
+#pragma unroll
+    for (int j = 0; j < kAccum / 4; ++j) {
+      const int64_t col = n0 + 8 * j + 2 * t;
+      const float v0 = acc[4 * j + 2 * h];
+      const float v1 = acc[4 * j + 2 * h + 1];
+      if (vec2) {
+        if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
+      } else {
+        if (col < p.n) out_row[col] = v0;
+        if (col + 1 < p.n) out_row[col + 1] = v1;
+      }
+    }
+  }
+}
+
 #endif  // FPG_WGMMA_DEVICE_CODE
 
 __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(const GemmParams p) {
@@ -407,29 +438,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     if (kt + 1 < num_k_tiles) run_tile(kt + 1, std::integral_constant<int, 1>{});
   }
 
-  // Store: value 4 j + e of this thread is row g (+8 for e >= 2), column 8 j + 2 t (+1 for odd e).
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  float* out = p.partial + split * p.split_stride;
-  const bool vec2 = (p.n % 2) == 0;  // then col even and col < N => col + 1 < N
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t m = m0 + warpgroup * 64 + warp_in_group * 16 + g + 8 * h;
-    if (m >= p.rows) continue;
-    float* out_row = out + m * p.n;
-#pragma unroll
-    for (int j = 0; j < kWgBlockN / 8; ++j) {
-      const int64_t col = n0 + 8 * j + 2 * t;
-      const float v0 = total[4 * j + 2 * h];
-      const float v1 = total[4 * j + 2 * h + 1];
-      if (vec2) {
-        if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
-      } else {
-        if (col < p.n) out_row[col] = v0;
-        if (col + 1 < p.n) out_row[col + 1] = v1;
-      }
-    }
-  }
+  store_partial(p, total, split, m0 + warpgroup * 64 + warp_in_group * 16, n0, lane);
 #else
   __trap();  // launched only where the sm_90a code exists (see the host check in forward.cu)
 #endif  // FPG_WGMMA_DEVICE_CODE
@@ -624,29 +633,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
   }
   wgmma_wait_all();
-
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  float* out = p.partial + split * p.split_stride;
-  const bool vec2 = (p.n % 2) == 0;  // then col even and col < N => col + 1 < N
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t m = m0 + consumer * 64 + warp_in_group * 16 + g + 8 * h;
-    if (m >= p.rows) continue;
-    float* out_row = out + m * p.n;
-#pragma unroll
-    for (int j = 0; j < kPass1BlockN / 8; ++j) {
-      const int64_t col = n0 + 8 * j + 2 * t;
-      const float v0 = acc[4 * j + 2 * h];
-      const float v1 = acc[4 * j + 2 * h + 1];
-      if (vec2) {
-        if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
-      } else {
-        if (col < p.n) out_row[col] = v0;
-        if (col + 1 < p.n) out_row[col + 1] = v1;
-      }
-    }
-  }
+  store_partial(p, acc, split, m0 + consumer * 64 + warp_in_group * 16, n0, lane);
 #else
   __trap();
 #endif  // FPG_WGMMA_DEVICE_CODE
