@@ -604,8 +604,8 @@ bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor
          certified_applies(info, x, weight, batch, n, k_padded, scale);
 }
 
-// A 2-D fp32 tensor map over an operand's first `rows` rows and k_padded columns: boxes of 32
-// columns (128 bytes, the swizzle span) x box_rows rows, 128-byte swizzle, zeros out of bounds.
+// Pass 1's 2-D fp32 tensor map over an operand's first `rows` rows and k_padded columns: boxes of
+// 32 columns (128 bytes, the swizzle span) x box_rows rows, 128-byte swizzle, zeros out of bounds.
 // The driver's encoder is reached through the runtime (no link against libcuda).
 CUtensorMap tensor_map(const Operand& operand, int64_t rows, int64_t k_padded, int box_rows) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
@@ -621,7 +621,7 @@ CUtensorMap tensor_map(const Operand& operand, int64_t rows, int64_t k_padded, i
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_padded), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(operand.ld) * sizeof(float)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(fg::kWgBlockK),
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(fg::kPass1BlockK),
                              static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = encode(
