@@ -3,11 +3,15 @@
 // 3xTF32 accuracy), on warpgroup MMA (wgmma) instead of mma.sync. On an H200 mma.sync TF32 tops
 // out near 190 TFLOP/s, about half of what wgmma reaches, and 3xTF32 needs three MMAs per product.
 //
-// Only sm_90a has wgmma: the kernel body is compiled for that target alone (elsewhere it traps),
-// and the host (forward.cu) launches it only on compute capability 9.0 devices of a build whose
+// The second kernel here, certified_pass1_kernel (at the end), is the certified path's single-pass
+// TF32 GEMM: wider tiles, TMA loads, both operands from shared memory (its own comment says why).
+//
+// Only sm_90a has wgmma: the kernel bodies are compiled for that target alone (elsewhere they trap),
+// and the host (forward.cu) launches them only on compute capability 9.0 devices of a build whose
 // arch list holds 9.0a (FPG_WITH_SM90A, set by setup.py).
 //
-// CTA tile 128 (x rows) x 128 (weight rows) x 32 (K). 384 threads = 3 warpgroups, specialized:
+// The 3xTF32 kernel: CTA tile 128 (x rows) x 128 (weight rows) x 32 (K), 384 threads = 3
+// warpgroups, specialized:
 //   warpgroup 0, the producer: cp.async loads of the x and weight tiles into a kWgStages ring,
 //     the 3xTF32 split of each landed weight tile (below), then the stage's release;
 //   warpgroups 1 and 2, the consumers: consumer c owns x rows [64 c, 64 c + 64) and all 128 weight
