@@ -625,22 +625,18 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const Gemm
         split_tf32(r[2], b_big[2 * np + 1][0], b_small[2 * np + 1][0]);
         split_tf32(r[3], b_big[2 * np + 1][1], b_small[2 * np + 1][1]);
       }
+      // acc += a b over the warp's fragment grid, one 16x8x8 MMA per fragment pair.
+      auto mma_grid = [&acc](const uint32_t (&a)[kTcFragsM][4], const uint32_t (&b)[kTcFragsN][2]) {
+#pragma unroll
+        for (int mt = 0; mt < kTcFragsM; ++mt) {
+#pragma unroll
+          for (int nt = 0; nt < kTcFragsN; ++nt) mma_tf32_16x8x8(acc[mt][nt], a[mt], b[nt]);
+        }
+      };
       // Small terms first (as CUTLASS's OpMultiplyAddFastF32), the big x big product last.
-#pragma unroll
-      for (int mt = 0; mt < kTcFragsM; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < kTcFragsN; ++nt) mma_tf32_16x8x8(acc[mt][nt], a_small[mt], b_big[nt]);
-      }
-#pragma unroll
-      for (int mt = 0; mt < kTcFragsM; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < kTcFragsN; ++nt) mma_tf32_16x8x8(acc[mt][nt], a_big[mt], b_small[nt]);
-      }
-#pragma unroll
-      for (int mt = 0; mt < kTcFragsM; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < kTcFragsN; ++nt) mma_tf32_16x8x8(acc[mt][nt], a_big[mt], b_big[nt]);
-      }
+      mma_grid(a_small, b_big);
+      mma_grid(a_big, b_small);
+      mma_grid(a_big, b_big);
     }
 #pragma unroll
     for (int mt = 0; mt < kTcFragsM; ++mt) {
