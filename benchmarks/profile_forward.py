@@ -11,8 +11,10 @@ prints the mean device time of every kernel the op launches, their sum, and the 
 (fused_pool_gelu.timing, as bench_forward.py). On sm_90+ the kernels after the GEMM are
 programmatic dependent launches: they start while the one before runs and wait for it, so their
 device time includes that wait and the sum double-counts the overlap; the GEMM's own time and the
-median stay exact. Shape: K = 8192, N = 512 (the pooled default shape), weights ~ N(0, 0.01^2),
-x ~ U(0, 1).
+median stay exact. Data: the benchmarks' (bench_forward.py): the folded weights of Model(K, 16 N,
+16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B; shape K = 8192, N = 512 by default.
+The certified path's speed depends on the data (how many columns each row rescores): its rows
+also print the candidates per row (`_certified_candidate_counts`).
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ PATHS = {
 SWITCHES = sorted({name for switches in PATHS.values() for name in switches})
 
 
-def profile(batch, in_features, pooled, calls):
+POOL = 16  # the benchmarks' pooling window
+
+
+def pooled_weights(in_features, pooled):
+    """The benchmarks' weights: Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), folded."""
+    torch.manual_seed(0)
+    model = fused_pool_gelu.Model(in_features, pooled * POOL, POOL, 2.0)
+    return fused_pool_gelu.fold(model.matmul.weight.cuda(), model.matmul.bias.cuda(), POOL)
+
+
+def profile(x, weight, bias, calls):
     """Returns ({kernel: mean device time, us}, median time of the whole call, us)."""
-    gen = torch.Generator(device="cuda").manual_seed(batch)
-    weight = torch.randn(pooled, in_features, device="cuda", generator=gen) * 0.01
-    bias = torch.randn(pooled, device="cuda", generator=gen)
-    x = torch.rand(batch, in_features, device="cuda", generator=gen)
 
     def call():
         with torch.no_grad():
@@ -49,6 +57,16 @@ def profile(batch, in_features, pooled, calls):
 
     time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
     return common.kernel_device_times(call, calls), time_us(call)
+
+
+def candidate_counts(x, weight, bias):
+    """The certified selection's candidates per row: mean and max over the rows it kept, and the
+    rows it sent to whole rescoring."""
+    counts = torch.ops.fused_pool_gelu._certified_candidate_counts(x, weight, bias, 2.0)
+    kept = counts[counts >= 0].float()
+    return {"mean": float(kept.mean()) if kept.numel() else None,
+            "max": int(kept.max()) if kept.numel() else None,
+            "whole_rows": int((counts < 0).sum())}
 
 
 def short_name(name):
@@ -70,20 +88,30 @@ def main():
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
 
+    weight, bias = pooled_weights(args.K, args.N)
     rows = []
     for path in args.paths:
         for name in SWITCHES:
             os.environ.pop(name, None)
         os.environ.update(PATHS[path])
         for batch in args.batches:
-            kernels, median = profile(batch, args.K, args.N, args.calls)
+            gen = torch.Generator(device="cuda").manual_seed(batch)
+            x = torch.rand(batch, args.K, device="cuda", generator=gen)
+            kernels, median = profile(x, weight, bias, args.calls)
             total = sum(kernels.values())
-            rows.append({"path": path, "B": batch, "K": args.K, "N": args.N,
-                         "kernels_us": kernels, "sum_us": total, "median_us": median})
+            row = {"path": path, "B": batch, "K": args.K, "N": args.N,
+                   "kernels_us": kernels, "sum_us": total, "median_us": median}
             parts = ", ".join(f"{short_name(k)} {v:.1f}" for k, v in kernels.items()
                               if v > 0)
-            print(f"{path:8s} B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us"
-                  f"  ({parts})", flush=True)
+            line = (f"{path:8s} B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us"
+                    f"  ({parts})")
+            if path == "certified":
+                counts = row["candidates"] = candidate_counts(x, weight, bias)
+                mean = "-" if counts["mean"] is None else f"{counts['mean']:.2f}"
+                line += (f"; candidates per row {mean} mean, {counts['max']} max,"
+                         f" {counts['whole_rows']} rows whole")
+            rows.append(row)
+            print(line, flush=True)
     common.write_profile(args.out, rows)
 
 
