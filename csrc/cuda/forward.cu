@@ -855,8 +855,7 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
               "fused_pool_gelu._certified_candidate_counts: the certified path does not apply "
               "here (it needs an sm_90a build on a compute capability 9.0 GPU, "
               "FUSED_POOL_GELU_FORCE_MMA_SYNC unset, float32, ", kSimtMaxBatch + 1,
-              " <= batch, one workspace "
-              "slice, N <= ", certified::kMaxSelectColumns,
+              " <= batch, one workspace slice, N <= ", certified::kMaxSelectColumns,
               ", K <= 2^20 and a finite non-zero scale)");
   at::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();

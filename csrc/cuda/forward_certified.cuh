@@ -59,8 +59,6 @@
 
 namespace fused_pool_gelu {
 namespace cuda {
-
-
 namespace certified {
 
 // Split partials loaded before they are added: as the main epilogue's kEpilogueSplitBatch.

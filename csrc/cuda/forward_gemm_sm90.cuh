@@ -6,9 +6,9 @@
 // The second kernel here, certified_pass1_kernel (at the end), is the certified path's single-pass
 // TF32 GEMM: wider tiles, TMA loads, both operands from shared memory (its own comment says why).
 //
-// Only sm_90a has wgmma: the kernel bodies are compiled for that target alone (elsewhere they trap),
-// and the host (forward.cu) launches them only on compute capability 9.0 devices of a build whose
-// arch list holds 9.0a (FPG_WITH_SM90A, set by setup.py).
+// Only sm_90a has wgmma: the kernel bodies are compiled for that target alone (elsewhere they
+// trap), and the host (forward.cu) launches them only on compute capability 9.0 devices of a build
+// whose arch list holds 9.0a (FPG_WITH_SM90A, set by setup.py).
 //
 // The 3xTF32 kernel: CTA tile 128 (x rows) x 128 (weight rows) x 32 (K), 384 threads = 3
 // warpgroups, specialized:
@@ -125,7 +125,9 @@ __device__ __forceinline__ uint32_t swizzle128(int row, int chunk) {
 // Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address >> 4 in bits
 // 0-13, leading byte offset >> 4 in bits 16-29 (unused by swizzled K-major layouts: 1), stride byte
 // offset >> 4 in bits 32-45 (1024: the next group of 8 rows), swizzle mode in bits 62-63 (1: 128 B).
-__device__ __forceinline__ uint64_t weight_descriptor(uint32_t address) {
+// For any K-major tile of 128-byte rows in the 128-byte swizzle: the weight tiles, and pass 1's x
+// tiles.
+__device__ __forceinline__ uint64_t swizzled_tile_descriptor(uint32_t address) {
   return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
@@ -243,7 +245,8 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32_ss(float (&d)[128], uint64_
       "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, "
+      "%120, %121, %122, %123, %124, %125, %126, %127}, "
       "%128, %129, p, 1, 1;\n}\n"
       : FPG_ACC32(0), FPG_ACC32(32), FPG_ACC32(64), FPG_ACC32(96)
       : "l"(a_descriptor), "l"(b_descriptor), "r"(1));
@@ -419,12 +422,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     wgmma_fence();  // acc and the A registers were last written by ordinary instructions
 #pragma unroll
     for (int kk = 0; kk < kWgKSteps; ++kk) {
-      wgmma_m64n128k8_tf32(acc, a_small[kSet][kk], weight_descriptor(w_big + 32 * kk), kk > 0);
-      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_small + 32 * kk), true);
+      wgmma_m64n128k8_tf32(acc, a_small[kSet][kk], swizzled_tile_descriptor(w_big + 32 * kk),
+                           kk > 0);
+      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], swizzled_tile_descriptor(w_small + 32 * kk), true);
     }
 #pragma unroll
     for (int kk = 0; kk < kWgKSteps; ++kk) {
-      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], weight_descriptor(w_big + 32 * kk), true);
+      wgmma_m64n128k8_tf32(acc, a_big[kSet][kk], swizzled_tile_descriptor(w_big + 32 * kk), true);
     }
     wgmma_commit();
     if (kt + 1 < num_k_tiles) load_x_fragments(kt + 1, 1 - kSet);
@@ -485,7 +489,8 @@ constexpr int kPass1StageBytes = kPass1XTileBytes + kPass1WTileBytes;
 constexpr int kPass1BarrierOffset = kPass1Stages * kPass1StageBytes;
 constexpr int kPass1SmemBytes = kPass1BarrierOffset + 2 * kPass1Stages * 8 + kWgSwizzleAlign;
 constexpr int kPass1NormThreads = 96;  // warps 1-3
-constexpr int kPass1NormSlots = (kPass1BlockM + kPass1BlockN + kPass1NormThreads - 1) / kPass1NormThreads;
+constexpr int kPass1NormSlots =
+    (kPass1BlockM + kPass1BlockN + kPass1NormThreads - 1) / kPass1NormThreads;
 // 128 x 56 + 256 x 224 = 64512 <= 384 x 168 (see kWgProducerRegisters): the consumers hold 128
 // accumulator floats, the producer warpgroup up to 16 partial sums of squares and a row's loads.
 constexpr int kPass1ProducerRegisters = 56;
@@ -524,7 +529,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   if (tid == 0) {
     for (int s = 0; s < kPass1Stages; ++s) {
       mbarrier_init(full_barrier + 8 * s, 1);
-      mbarrier_init(empty_barrier + 8 * s, kWgConsumerWarps + (sum_any ? kPass1NormThreads / 32 : 0));
+      mbarrier_init(empty_barrier + 8 * s,
+                    kWgConsumerWarps + (sum_any ? kPass1NormThreads / 32 : 0));
     }
     fence_mbarrier_init();
   }
@@ -625,8 +631,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPass1BlockK / kWgMmaK; ++kk) {
-      wgmma_m64n256k8_tf32_ss(acc, weight_descriptor(x_rows + 32 * kk),
-                              weight_descriptor(w_tile + 32 * kk));
+      wgmma_m64n256k8_tf32_ss(acc, swizzled_tile_descriptor(x_rows + 32 * kk),
+                              swizzled_tile_descriptor(w_tile + 32 * kk));
     }
     wgmma_commit();
     // Tile kt - 1's wgmmas are done (this tile's may still run): its stage can be refilled.
