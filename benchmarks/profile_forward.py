@@ -5,16 +5,15 @@
 
 For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
 sm_90a build on Hopper: the certified path from 1536 rows, 3xTF32 below; "mma_sync": the portable
-kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1; "certified" / "3xtf32": the certified single pass
-forced on / off, FUSED_POOL_GELU_CERTIFIED=1 / 0),
-prints the mean device time of every kernel the op launches, their sum, and the call's median
-(fused_pool_gelu.timing, as bench_forward.py). On sm_90+ the kernels after the GEMM are
-programmatic dependent launches: they start while the one before runs and wait for it, so their
-device time includes that wait and the sum double-counts the overlap; the GEMM's own time and the
-median stay exact. Data: the benchmarks' (bench_forward.py): the folded weights of Model(K, 16 N,
-16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B; shape K = 8192, N = 512 by default.
-The certified path's speed depends on the data (how many columns each row rescores): its rows
-also print the candidates per row (`_certified_candidate_counts`).
+kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1; "certified" / "3xtf32": the certified single pass forced
+on / off, FUSED_POOL_GELU_CERTIFIED=1 / 0), prints every kernel the op launches with its own time /
+device time (common.kernel_device_times: on sm_90+ the kernels after the GEMM are programmatic
+dependent launches, which start while the one before runs and wait for it; their device time holds
+the wait, their own time does not), the sum of the own times, and the call's median
+(fused_pool_gelu.timing, as bench_forward.py). Data: the benchmarks' (bench_forward.py): the folded
+weights of Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B; shape K =
+8192, N = 512 by default. The certified path's speed depends on the data (how many columns each row
+rescores): its rows also print the candidates per row (`_certified_candidate_counts`).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ def pooled_weights(in_features, pooled):
 
 
 def profile(x, weight, bias, calls):
-    """Returns ({kernel: mean device time, us}, median time of the whole call, us)."""
+    """Returns ({kernel: {"device_us", "own_us"}}, median time of the whole call, us)."""
 
     def call():
         with torch.no_grad():
@@ -98,13 +97,13 @@ def main():
             gen = torch.Generator(device="cuda").manual_seed(batch)
             x = torch.rand(batch, args.K, device="cuda", generator=gen)
             kernels, median = profile(x, weight, bias, args.calls)
-            total = sum(kernels.values())
+            total = sum(times["own_us"] for times in kernels.values())
             row = {"path": path, "B": batch, "K": args.K, "N": args.N,
-                   "kernels_us": kernels, "sum_us": total, "median_us": median}
-            parts = ", ".join(f"{short_name(k)} {v:.1f}" for k, v in kernels.items()
-                              if v > 0)
-            line = (f"{path:8s} B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us"
-                    f"  ({parts})")
+                   "kernels_us": kernels, "own_sum_us": total, "median_us": median}
+            parts = ", ".join(f"{short_name(k)} {t['own_us']:.1f}/{t['device_us']:.1f}"
+                              for k, t in kernels.items() if t["device_us"] > 0)
+            line = (f"{path:8s} B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us"
+                    f"  (own/device: {parts})")
             if path == "certified":
                 counts = row["candidates"] = candidate_counts(x, weight, bias)
                 mean = "-" if counts["mean"] is None else f"{counts['mean']:.2f}"

@@ -4,13 +4,13 @@
     python benchmarks/profile_train.py --batches 1024 --out /tmp/profile_train.json
 
 One step as bench_train.py times it for ours_model: grads set to None, ModelNew forward (fold +
-fused forward), out.sum().backward() into weight, bias and x. Prints the mean device time of every
-kernel the step launches, their sum, and the step's median (fused_pool_gelu.timing, as
-bench_train.py). Kernels launched as programmatic dependents (the forward's epilogue) include their
-wait for the kernel before them, so the sum can exceed the median. The median is host-bound on a
-slow host (on the H200 machine at B = 1024 it ranged 306-562 us between runs while bench_train.py
-measured 303): read this script for the kernels, bench_train.py for the step's time. Shape: the
-default, K = O = 8192, k = 16, scale 2.
+fused forward), out.sum().backward() into weight, bias and x. Prints every kernel the step launches
+with its own time / device time (common.kernel_device_times: a programmatic dependent launch's
+device time holds its wait for the kernel before it, its own time does not), the sum of the own
+times, and the step's median (fused_pool_gelu.timing, as bench_train.py). The median is host-bound
+on a slow host (on the H200 machine at B = 1024 it ranged 306-562 us between runs while
+bench_train.py measured 303): read this script for the kernels, bench_train.py for the step's time.
+Shape: the default, K = O = 8192, k = 16, scale 2.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fused_pool_gelu.timing import make_timer
 
 
 def profile(batch, in_features, out_features, pool, calls):
-    """Returns ({kernel: mean device time, us}, median time of one step, us)."""
+    """Returns ({kernel: {"device_us", "own_us"}}, median time of one step, us)."""
     torch.manual_seed(batch)
     model = fused_pool_gelu.ModelNew(in_features, out_features, pool, 2.0).cuda()
     x = torch.rand(batch, in_features, device="cuda", requires_grad=True)
@@ -52,12 +52,14 @@ def main():
     rows = []
     for batch in args.batches:
         kernels, median = profile(batch, args.K, args.O, args.k, args.calls)
-        total = sum(kernels.values())
+        total = sum(times["own_us"] for times in kernels.values())
         rows.append({"B": batch, "K": args.K, "O": args.O, "k": args.k, "kernels_us": kernels,
-                     "sum_us": total, "median_us": median})
-        print(f"B={batch:5d}: median {median:7.1f} us, kernel sum {total:7.1f} us", flush=True)
-        for name, us in sorted(kernels.items(), key=lambda item: -item[1]):
-            print(f"    {us:7.1f}  {name[:110]}", flush=True)
+                     "own_sum_us": total, "median_us": median})
+        print(f"B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us", flush=True)
+        print("    own / device (us)", flush=True)
+        for name, times in sorted(kernels.items(), key=lambda item: -item[1]["own_us"]):
+            print(f"    {times['own_us']:7.1f} / {times['device_us']:7.1f}  {name[:100]}",
+                  flush=True)
     common.write_profile(args.out, rows)
 
 
