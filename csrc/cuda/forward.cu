@@ -10,9 +10,9 @@
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum.
 // On sm_90a, from kCertifiedMinBatch rows (use_certified), the certified path replaces both: a
-// single-pass TF32 GEMM (forward_gemm_sm90.cuh's certified_pass1_kernel), a selection of the
-// columns that may hold the row's maximum by a proven error bound, and a float32 rescoring of those
-// (forward_certified.cuh): three launches, the same results as the 3xTF32 path's to float32
+// single-pass TF32 GEMM (forward_gemm_sm90.cuh's certified_pass1_kernel), the weight rows' norms, a
+// selection of the columns that may hold the row's maximum by a proven error bound, and a float32
+// rescoring of those (forward_certified.cuh): four launches, the same results as the 3xTF32 path's to float32
 // rounding, with the same tie and NaN rules.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
 // through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
@@ -64,11 +64,11 @@ namespace fg = forward_gemm;
 constexpr int64_t kSimtMaxBatch = 32;
 
 // The certified path (see the top) from this batch on. H200 medians on the benchmarks' data (a
-// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32: B = 1024 96.5 / 88.1 us, 1536 123.8 /
-// 138.0, 2048 155.3 / 167.2, 4096 274.4 / 335.0 (benchmarks/NOTES.md): 1536 is the smallest batch
-// measured faster. Its rescoring, ~4-5 float32 dot products per row on that data, is what keeps it
-// behind at 1024.
-constexpr int64_t kCertifiedMinBatch = 1536;
+// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32 (profile_forward.py, the rescoring at 4
+// CTAs per SM): B = 1024 91.2 / 88.9 us, 1280 106.5 / 114.3, 1536 115.7 / 138.7, 4096 259.4 /
+// 336.4 (benchmarks/NOTES.md): 1280 is the smallest batch measured faster. Its selection and
+// rescoring (~4-5 float32 dot products per row on that data) are what keep it behind at 1024.
+constexpr int64_t kCertifiedMinBatch = 1280;
 // Splits of the certified pass 1, at most: the selection reads every split's partial of every
 // (row, column), and its workspace (splits x rows x N partials, plus the norms and candidate
 // lists) then stays at or below 8 x rows x N floats, under one [B, O] tensor for pooling windows
@@ -646,8 +646,8 @@ cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStre
   return config;
 }
 
-// Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares) and the selection, the second
-// a programmatic dependent of the first. Returns the selection: [batch] candidate counts (-1:
+// Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the weight norms and the
+// selection, each a programmatic dependent of the one before. Returns the selection: [batch] candidate counts (-1:
 // every column), then [batch, kMaxCandidates] candidate columns.
 at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
                             const float* bias, float scale, int64_t batch, int64_t n,
@@ -662,7 +662,8 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
       fg::kPass1BlockK;
   const int64_t splits = ceil_div(k_padded, k_per_split);
   // Freed on return: the caching allocator reuses it only after this stream's kernels.
-  at::Tensor workspace = at::empty({splits * (batch * n + batch + n)}, options.dtype(at::kFloat));
+  at::Tensor workspace =
+      at::empty({splits * (batch * n + batch + n) + n}, options.dtype(at::kFloat));
   at::Tensor selection =
       at::empty({batch * (1 + certified::kMaxCandidates)}, options.dtype(at::kInt));
   float* partial = workspace.data_ptr<float>();
@@ -678,17 +679,26 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   fg::certified_pass1_kernel<<<grid, fg::kWgThreads, fg::kPass1SmemBytes, stream>>>(gemm, maps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
+  const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
+  float* const w_norm = gemm.w_sumsq + splits * n;
+  cudaLaunchAttribute norms_attribute{};
+  const cudaLaunchConfig_t norms_config = dependent_launch_config(
+      ceil_div(n, int64_t{certified::kThreads}), certified::kThreads, stream, norms_attribute);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&norms_config, certified::weight_norms_kernel,
+                                    static_cast<const float*>(gemm.w_sumsq), n,
+                                    static_cast<int>(splits), bound, w_norm));
+
   certified::SelectParams select{};
   select.partial = partial;
   select.split_stride = batch * n;
   select.splits = static_cast<int>(splits);
   select.x_sumsq = gemm.x_sumsq;
-  select.w_sumsq = gemm.w_sumsq;
+  select.w_norm = w_norm;
   select.bias = bias;
   select.scale = scale;
   select.batch = batch;
   select.n = n;
-  select.bound = certified_bound(k_padded, splits, k_per_split);
+  select.bound = bound;
   select.count = selection.data_ptr<int>();
   select.candidates = select.count + batch;
   cudaLaunchAttribute attribute{};

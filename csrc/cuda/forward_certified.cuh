@@ -55,6 +55,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "forward_gemm.cuh"  // allow_dependent_launch
 #include "row_max.cuh"
 
 namespace fused_pool_gelu {
@@ -90,7 +91,7 @@ struct SelectParams {
   int64_t split_stride;
   int splits;
   const float* x_sumsq;   // [splits, batch]
-  const float* w_sumsq;   // [splits, n]
+  const float* w_norm;    // [n]: weight_norms_kernel's
   const float* bias;      // [n] or nullptr
   float scale;            // finite and non-zero (the host checks)
   int64_t batch;
@@ -186,25 +187,34 @@ __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, 
   return v;
 }
 
-// Columns the selection serves: its CTA keeps two floats per column in shared memory (the weight
-// rows' norms and the row's upper ends), 32 KB at this width; wider layers take the 3xTF32 path.
+// The weight rows' norms, once per call (every selection CTA used to sum the S split sums of
+// squares of all n columns again: half of its loads), between pass 1 and the selection.
+__global__ void __launch_bounds__(kThreads)
+    weight_norms_kernel(const float* __restrict__ w_sumsq, int64_t n, int splits, Bound bound,
+                        float* __restrict__ w_norm) {
+  forward_gemm::allow_dependent_launch();
+  wait_for_gemm();
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (col < n) w_norm[col] = norm_from_squares(w_sumsq + col, n, splits, bound);
+}
+
+// Columns the selection serves: its CTA keeps the row's upper ends in shared memory, 16 KB at this
+// width; wider layers take the 3xTF32 path.
 constexpr int64_t kMaxSelectColumns = 4096;
 __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
-  return static_cast<int>(2 * n * sizeof(float));
+  return static_cast<int>(n * sizeof(float));
 }
 
 // One CTA per row, with every load it needs in flight together: the first version (a serial chain
 // of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
-// per row with batched loads left too few warps to hide the latency (65 us). Here the CTA first
-// puts every column's weight norm in shared memory (S split sums each, loaded in batches), then
-// computes each column's interval once, keeping its upper end in shared memory, and takes the
-// block max of the lower ends; the candidates are written in column order (ballots and the warps'
-// counts), so the selection is deterministic.
+// per row with batched loads left too few warps to hide the latency (65 us). Here the CTA computes
+// each column's interval once (its S split partials loaded in batches, the weight norm from
+// weight_norms_kernel), keeping its upper end in shared memory, and takes the block max of the
+// lower ends; the candidates are written in column order (ballots and the warps' counts), so the
+// selection is deterministic.
 __global__ void __launch_bounds__(kThreads) select_candidates_kernel(const SelectParams p) {
   wait_for_gemm();
-  extern __shared__ float s_columns[];
-  float* const s_w_norm = s_columns;        // [n]
-  float* const s_upper = s_columns + p.n;   // [n]
+  extern __shared__ float s_upper[];  // [n]
   __shared__ float s_value[kWarps];
   __shared__ int s_flag[kWarps];
   __shared__ int s_warp_count[kWarps];
@@ -212,17 +222,14 @@ __global__ void __launch_bounds__(kThreads) select_candidates_kernel(const Selec
   const int warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
   const float* row_partial = p.partial + row * p.n;
-  for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
-    s_w_norm[col] = norm_from_squares(p.w_sumsq + col, p.n, p.splits, p.bound);
-  }
   const float x_norm = norm_from_squares(p.x_sumsq + row, p.batch, p.splits, p.bound);
-  __syncthreads();
 
   float best_lower = -INFINITY;
   bool whole_row = false;
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
     float lo = -INFINITY, hi = INFINITY;
-    whole_row |= !column_value_interval(p, row_partial, col, x_norm, s_w_norm[col], lo, hi);
+    whole_row |=
+        !column_value_interval(p, row_partial, col, x_norm, __ldg(p.w_norm + col), lo, hi);
     best_lower = fmaxf(best_lower, lo);
     s_upper[col] = hi;
   }
