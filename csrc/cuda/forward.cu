@@ -12,8 +12,8 @@
 // On sm_90a, from kCertifiedMinBatch rows (use_certified), the certified path replaces both: a
 // single-pass TF32 GEMM (forward_gemm_sm90.cuh's certified_pass1_kernel), the weight rows' norms, a
 // selection of the columns that may hold the row's maximum by a proven error bound, and a float32
-// rescoring of those (forward_certified.cuh): four launches, the same results as the 3xTF32 path's to float32
-// rounding, with the same tie and NaN rules.
+// rescoring of those (forward_certified.cuh): four launches, the same results as the 3xTF32 path's
+// to float32 rounding, with the same tie and NaN rules.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
 // through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
 #include <ATen/core/Tensor.h>
@@ -64,10 +64,11 @@ namespace fg = forward_gemm;
 constexpr int64_t kSimtMaxBatch = 32;
 
 // The certified path (see the top) from this batch on. H200 medians on the benchmarks' data (a
-// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32 (profile_forward.py, the rescoring at 4
-// CTAs per SM): B = 1024 91.2 / 88.9 us, 1280 106.5 / 114.3, 1536 115.7 / 138.7, 4096 259.4 /
-// 336.4 (benchmarks/NOTES.md): 1280 is the smallest batch measured faster. Its selection and
-// rescoring (~4-5 float32 dot products per row on that data) are what keep it behind at 1024.
+// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32 (profile_forward.py, commit 910ca19):
+// B = 1024 88.2 / 89.1 us, 1152 95.8 / 106.8, 1280 103.7 / 114.8, 1536 114.4 / 139.3, 4096 254.5 /
+// 345.6 (benchmarks/NOTES.md). Level at 1024; the switch sits at 1280, where the policy test checks
+// it (1152 is faster too). Its selection and rescoring (~4-5 float32 dot products per row on that
+// data) are what keep it from winning at 1024.
 constexpr int64_t kCertifiedMinBatch = 1280;
 // Splits of the certified pass 1, at most: the selection reads every split's partial of every
 // (row, column), and its workspace (splits x rows x N partials, plus the norms and candidate
@@ -647,8 +648,8 @@ cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStre
 }
 
 // Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the weight norms and the
-// selection, each a programmatic dependent of the one before. Returns the selection: [batch] candidate counts (-1:
-// every column), then [batch, kMaxCandidates] candidate columns.
+// selection, each a programmatic dependent of the one before. Returns the selection: [batch]
+// candidate counts (-1: every column), then [batch, kMaxCandidates] candidate columns.
 at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
                             const float* bias, float scale, int64_t batch, int64_t n,
                             int64_t k_padded, const at::TensorOptions& options,
