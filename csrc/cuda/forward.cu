@@ -104,13 +104,12 @@ constexpr int64_t kTcMaxSplitWaves = 4;
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // Split partials loaded before they are added (in split order): memory-level parallelism per
-// thread. After partial[0], full batches of kEpilogueSplitBatch loads, then one load at a time. The
-// SIMT GEMV usually makes 16 splits (one wave of CTAs at N = 512): with 16 or more splits the batch
-// is kEpilogueManySplitBatch = 15, so that those 16 cost one round trip to L2 instead of three.
-// Larger batches cost registers: a 16-load batch at 4 splits took 128 registers and slowed
-// B = 1024 from 7.3 to 11.9 us on the H200. (Measured with this rule and the dependent launch:
-// B = 1 17.8 -> 16.4 us, but B = 128, 32 splits, 26.9 -> 31.3 us: see benchmarks/NOTES.md.)
-constexpr int kEpilogueSplitBatch = 8;
+// thread. After partial[0], full batches of kSplitBatch (row_max.cuh) loads, then one load at a
+// time. The SIMT GEMV usually makes 16 splits (one wave of CTAs at N = 512): with 16 or more splits
+// the batch is kEpilogueManySplitBatch = 15, so that those 16 cost one round trip to L2 instead of
+// three. Larger batches cost registers: a 16-load batch at 4 splits took 128 registers and slowed B
+// = 1024 from 7.3 to 11.9 us on the H200. (Measured with this rule and the dependent launch: B = 1
+// 17.8 -> 16.4 us, but B = 128, 32 splits, 26.9 -> 31.3 us: see benchmarks/NOTES.md.)
 constexpr int kEpilogueManySplitBatch = 15;
 
 // The split-K workspace (splits x rows x N floats) stays within this: larger batches go through
@@ -143,7 +142,7 @@ struct EpilogueParams {
   int64_t n;
 };
 
-template <int kThreadsPerRow, int kSplitBatch, typename out_t>
+template <int kThreadsPerRow, int kBatch, typename out_t>
 __global__ void __launch_bounds__(kEpilogueThreads)
     argmax_epilogue_kernel(const EpilogueParams p, out_t* __restrict__ out,
                            int64_t* __restrict__ argmax, out_t* __restrict__ preactivation) {
@@ -161,7 +160,7 @@ __global__ void __launch_bounds__(kEpilogueThreads)
     const float* row_partial = p.partial + row * p.n;
 #pragma unroll 2
     for (int64_t col = col0; col < p.n; col += kThreadsPerRow) {
-      float z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
+      float z = sum_splits<kBatch>(row_partial + col, p.split_stride, p.splits);
       if (p.bias != nullptr) z += __ldg(p.bias + col);
       // torch's order: gelu(z) first, then the product with scale. A non-finite pre-activation
       // gives NaN, as in the CPU kernel (README "Non-finite values").
@@ -753,10 +752,10 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
   auto with_batch = [&](auto threads_per_row) {
     // The larger batch only where it makes all partials after the first one round trip (10 to 16
     // splits); beyond, three 15-load batches lost to the 8-load ones at 32 splits (B = 128).
-    if (p.splits > kEpilogueSplitBatch + 1 && p.splits <= kEpilogueManySplitBatch + 1) {
+    if (p.splits > kSplitBatch + 1 && p.splits <= kEpilogueManySplitBatch + 1) {
       launch(threads_per_row, std::integral_constant<int, kEpilogueManySplitBatch>{});
     } else {
-      launch(threads_per_row, std::integral_constant<int, kEpilogueSplitBatch>{});
+      launch(threads_per_row, std::integral_constant<int, kSplitBatch>{});
     }
   };
   if (p.batch >= kEpilogueWarpPerRowMinBatch) {

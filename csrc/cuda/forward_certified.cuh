@@ -62,8 +62,6 @@ namespace fused_pool_gelu {
 namespace cuda {
 namespace certified {
 
-// Split partials loaded before they are added: as the main epilogue's kEpilogueSplitBatch.
-constexpr int kSplitBatch = 8;
 // Candidates kept per row; a row with more is rescored whole (benchmarks/simulate_certified.py,
 // default shape: 3.6 per row on average, 99.9% of rows at most ~21).
 constexpr int kMaxCandidates = 64;

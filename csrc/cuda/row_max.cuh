@@ -44,6 +44,11 @@ __device__ __forceinline__ Candidate warp_argmax(Candidate c) {
   return c;
 }
 
+// Split partials loaded before they are added (in split order), per thread: memory-level
+// parallelism against registers (forward.cu's epilogue has the measurements). The epilogue and the
+// certified selection both load this many at a time; the epilogue takes 15 when they are many.
+constexpr int kSplitBatch = 8;
+
 // z = partial[0][col] + partial[1][col] + ... (split order), loads issued kBatch at a time.
 template <int kBatch>
 __device__ __forceinline__ float sum_splits(const float* p, int64_t stride, int splits) {
