@@ -1,4 +1,5 @@
-// Device helpers shared by the CUDA kernels: exact GELU and its derivative, launch checks.
+// Device helpers shared by the CUDA kernels: exact GELU and its derivative, programmatic dependent
+// launch, launch checks.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -30,6 +31,22 @@ __device__ __forceinline__ T gelu_grad(T z) {
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) {
   return (a + b - 1) / b;
+}
+
+// Programmatic dependent launch (sm_90+), both halves: a kernel that calls
+// allow_dependent_launch() lets the next kernel on the stream (launched with the attribute) start
+// once all its CTAs have executed it; that kernel waits in wait_for_gemm() until the one before
+// has completed and its writes are visible. The dependent's launch then overlaps the kernel before
+// it instead of following it. Elsewhere both are no-ops (the host launches without the attribute).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_gemm() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // 16 bytes is the widest global load/store one thread can issue (LDG.E.128 / STG.E.128).

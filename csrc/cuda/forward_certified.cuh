@@ -55,7 +55,6 @@
 #include <cstdint>
 
 #include "common.cuh"
-#include "forward_gemm.cuh"  // allow_dependent_launch
 #include "row_max.cuh"
 
 namespace fused_pool_gelu {
@@ -190,7 +189,7 @@ __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, 
 __global__ void __launch_bounds__(kThreads)
     weight_norms_kernel(const float* __restrict__ w_sumsq, int64_t n, int splits, Bound bound,
                         float* __restrict__ w_norm) {
-  forward_gemm::allow_dependent_launch();
+  allow_dependent_launch();
   wait_for_gemm();
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (col < n) w_norm[col] = norm_from_squares(w_sumsq + col, n, splits, bound);
@@ -354,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       if (cols[g] < 0) continue;
       const float z = p.bias != nullptr ? dots[g] + __ldg(p.bias + cols[g]) : dots[g];
       const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
-      if (beats(v, cols[g], best.value, best.index)) best = Candidate{v, cols[g], z};
+      best.take_if_better(Candidate{v, cols[g], z});
     }
   }
   if (threadIdx.x == 0) {

@@ -74,15 +74,6 @@ __device__ __forceinline__ void mma_tf32_16x8x8(float (&d)[4], const uint32_t (&
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Programmatic dependent launch (sm_90+): once every CTA of this grid has executed this, the next
-// kernel on the stream (the epilogue, launched with the attribute) may start; it waits for this
-// grid's completion and memory itself (griddepcontrol.wait in forward.cu). Elsewhere a no-op.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // Special registers read with volatile asm, so that the compiler re-reads them instead of keeping
 // an earlier copy live through a long loop (used after the SIMT K loop, where sm_80 ptxas would
 // otherwise spill a few index registers around the loop).

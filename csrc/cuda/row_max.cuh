@@ -1,7 +1,6 @@
 // The row-max pieces shared by the forward's epilogues (forward.cu's argmax_epilogue_kernel and
 // the certified path's kernels, forward_certified.cuh): torch.max's ordering of (value, index)
-// candidates, a warp's arg-max, the split-K partial sums of one output, and the programmatic
-// dependent launch wait.
+// candidates, a warp's arg-max and the split-K partial sums of one output.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -64,16 +63,6 @@ __device__ __forceinline__ float sum_splits(const float* p, int64_t stride, int 
   }
   for (; s < splits; ++s) z += __ldg(p + s * stride);
   return z;
-}
-
-// Programmatic dependent launch (sm_90+): the GEMM lets the epilogue launch as soon as all its CTAs
-// are running, and the epilogue waits here until the GEMM has completed and its partial sums are
-// visible. The epilogue's launch then overlaps the GEMM instead of following it. Elsewhere both
-// are no-ops (the host launches without the attribute there).
-__device__ __forceinline__ void wait_for_gemm() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
 }
 
 }  // namespace cuda
