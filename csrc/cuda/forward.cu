@@ -64,12 +64,13 @@ namespace fg = forward_gemm;
 constexpr int64_t kSimtMaxBatch = 32;
 
 // The certified path (see the top) from this batch on. H200 medians on the benchmarks' data (a
-// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32 (profile_forward.py, commit 910ca19):
-// B = 1024 88.2 / 89.1 us, 1152 95.8 / 106.8, 1280 103.7 / 114.8, 1536 114.4 / 139.3, 4096 254.5 /
-// 345.6 (benchmarks/NOTES.md). Level at 1024; the switch sits at 1280, where the policy test checks
-// it (1152 is faster too). Its selection and rescoring (~4-5 float32 dot products per row on that
-// data) are what keep it from winning at 1024.
-constexpr int64_t kCertifiedMinBatch = 1280;
+// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32 (profile_forward.py, commit 9b83586's
+// kernels, benchmarks/NOTES.md): B = 512 85.4 / 50.1 us, 768 84.2 / 72.0, 896 85.8 / 84.5, 1024
+// 84.1 / 88.0, 1152 91.5 / 104.2, 4096 243.6 / 329.2. Level at 896; the switch sits at 1024, where
+// the policy test checks it. Below, pass 1 (the same 38-47 us from 512 to 1024 rows: too few tiles
+// to fill the GPU without splits) and the selection and rescoring (~4 float32 dot products per
+// row on that data) cost more than the 3xTF32 GEMM saves.
+constexpr int64_t kCertifiedMinBatch = 1024;
 // Splits of the certified pass 1, at most: the selection reads every split's partial of every
 // (row, column), and its workspace (splits x rows x N partials, plus the norms and candidate
 // lists) then stays at or below 8 x rows x N floats, under one [B, O] tensor for pooling windows
