@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     int64_t cols[kGroup];
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
-      const int64_t j = j0 + (g < group ? g : 0);
+      const int64_t j = j0 + (g < group ? g : 0);  // past the group: never read
       cols[g] = count < 0 ? j : p.candidates[row * kMaxCandidates + j];
     }
     float dots[kGroup];
