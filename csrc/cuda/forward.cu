@@ -575,13 +575,14 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain
   const double g_tc = gamma(std::ceil(chain / fg::kWgMmaK), 10.0 * 0x1p-23);
   const double g = g_tc * (1.0 + g_sum) + g_sum;
   certified::Bound b{};
-  b.relative = up((0x1p-9 + 0x1p-20) * (1.0 + g) + g);
+  b.operand = up(1.0 + g);
+  b.accumulation = up(g);
   b.bias = up(g_sum);
-  b.absolute = up(0x1p-126 * (2.0 * k + s + 2.0));
-  b.per_norm = up(0x1p-126 * std::sqrt(k));
+  b.absolute = up((1.0 + g) * 0x1p-126 * (2.0 * k + s + 2.0));
+  b.per_norm = up((1.0 + g) * 0x1p-126 * std::sqrt(k));
   b.squares_floor = up((k + s) * 0x1p-148);
   b.norm_slack = up(1.0 + gamma(k + s, 0x1p-24) + 0x1p-22);
-  b.rescore = up(gamma(k + 32, 0x1p-24));
+  b.rescore = up(gamma(static_cast<double>(certified::rescore_depth(k_padded / 4)), 0x1p-24));
   return b;
 }
 
@@ -662,16 +663,21 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
                              std::min(kCertifiedMaxSplits, kMaxWorkspaceFloats / (batch * n))) *
       fg::kPass1BlockK;
   const int64_t splits = ceil_div(k_padded, k_per_split);
-  // Freed on return: the caching allocator reuses it only after this stream's kernels.
-  at::Tensor workspace =
-      at::empty({splits * (batch * n + batch + n) + n}, options.dtype(at::kFloat));
+  // Freed on return: the caching allocator reuses it only after this stream's kernels. The
+  // partials, the x and weight rows' split sums of squares and of squared residuals, then the
+  // weight norms (float pairs: an even offset keeps them 8-byte aligned).
+  const int64_t sums_floats = splits * (batch * n + 2 * batch + 2 * n);
+  const int64_t norms_offset = sums_floats + sums_floats % 2;
+  at::Tensor workspace = at::empty({norms_offset + 2 * n}, options.dtype(at::kFloat));
   at::Tensor selection =
       at::empty({batch * (1 + certified::kMaxCandidates)}, options.dtype(at::kInt));
   float* partial = workspace.data_ptr<float>();
 
   fg::GemmParams gemm = gemm_params(x, w, partial, batch, n, k_padded, k_per_split, 0, batch);
   gemm.x_sumsq = partial + splits * batch * n;
-  gemm.w_sumsq = gemm.x_sumsq + splits * batch;
+  gemm.x_residual_sumsq = gemm.x_sumsq + splits * batch;
+  gemm.w_sumsq = gemm.x_residual_sumsq + splits * batch;
+  gemm.w_residual_sumsq = gemm.w_sumsq + splits * n;
   const fg::TmaMaps maps{tensor_map(x, batch, k_padded, fg::kPass1BlockM),
                          tensor_map(w, n, k_padded, fg::kPass1BlockN)};
   const dim3 grid(static_cast<unsigned>(ceil_div(n, int64_t{fg::kPass1BlockN})),
@@ -681,20 +687,22 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
-  float* const w_norm = gemm.w_sumsq + splits * n;
+  auto* const w_norms = reinterpret_cast<certified::Norms*>(partial + norms_offset);
   cudaLaunchAttribute norms_attribute{};
   const cudaLaunchConfig_t norms_config = dependent_launch_config(
       ceil_div(n, int64_t{certified::kThreads}), certified::kThreads, stream, norms_attribute);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&norms_config, certified::weight_norms_kernel,
-                                    static_cast<const float*>(gemm.w_sumsq), n,
-                                    static_cast<int>(splits), bound, w_norm));
+                                    static_cast<const float*>(gemm.w_sumsq),
+                                    static_cast<const float*>(gemm.w_residual_sumsq), n,
+                                    static_cast<int>(splits), bound, w_norms));
 
   certified::SelectParams select{};
   select.partial = partial;
   select.split_stride = batch * n;
   select.splits = static_cast<int>(splits);
   select.x_sumsq = gemm.x_sumsq;
-  select.w_norm = w_norm;
+  select.x_residual_sumsq = gemm.x_residual_sumsq;
+  select.w_norms = w_norms;
   select.bias = bias;
   select.scale = scale;
   select.batch = batch;

@@ -5,10 +5,16 @@
 //
 // The bound. z = x . w + bias over K; pass 1 computes z~ = sum over splits s of the tensor core's
 // sum of tf32(x_i) tf32(w_i) over the split's K range, plus bias, in float32.
-//  1. Operands: the tensor core reads the top 19 bits of a float32 (truncation, or rounding; both
-//     give a relative error below 2^-10 for normal numbers). A subnormal operand may be flushed:
-//     absolute error below 2^-126. So |x w - tf32(x) tf32(w)| <= (2^-9 + 2^-20) |x| |w|
-//     + 2^-126 (|x| + |w|) + 2^-252.
+//  1. Operands: the tensor core reads the top 19 bits of a float32, truncated or rounded to
+//     nearest, and may flush a subnormal to zero. With r(v) = |v - trunc19(v)| (tf32_residual,
+//     exact in float32; trunc19 clears the 13 low significand bits): truncation errs by r(v),
+//     rounding to nearest by min(r(v), ulp - r(v)) <= r(v) and grows |v| by at most r(v), a flush
+//     errs by |v| < 2^-126. So |v - tf32(v)| <= r(v) + 2^-126 and |tf32(v)| <= |v| + r(v), and
+//     from x w - tf32(x) tf32(w) = x (w - tf32(w)) + (x - tf32(x)) tf32(w), with r(w) <= |w|:
+//     |x w - tf32(x) tf32(w)| <= |x| r(w) + r(x) (|w| + r(w)) + 2^-126 (|x| + 2 |w|).
+//     Pass 1 sums r^2 over every row next to the squares; r(v) is ~0.4 2^-10 |v| in RMS for
+//     random significands, so these norms make the bound ~2.3x tighter than the worst case
+//     r(v) < 2^-10 |v| (benchmarks/simulate_certified.py: 4.3 -> 1.7 candidates per row).
 //  2. Products of two 11-bit significands are exact in float32; a product below 2^-126 may be
 //     flushed: 2^-126 each.
 //  3. Tensor-core accumulation. Model (DESIGN.md; Fasi et al. 2021 measured tensor cores aligning
@@ -24,14 +30,18 @@
 //  4. Float32 additions (round to nearest, no flush): the chains' results, the S split partials
 //     and the bias, at most K / C + S + 2 deep: g_sum = gamma_{K/C + S + 2}(2^-24), with
 //     gamma_m(u) = m u / (1 - m u).
-//  Summing, with g = g_tc (1 + g_sum) + g_sum: |z~ - z| <= c_rel sum |x_i| |w_i| + g_sum |bias|
-//     + 2^-126 (2 K + S + 2) + 2^-126 (||x||_1 + ||w||_1),  c_rel = (2^-9 + 2^-20)(1 + g) + g,
-//  and Cauchy-Schwarz: sum |x_i||w_i| <= ||x||_2 ||w||_2, ||v||_1 <= sqrt(K) ||v||_2. The norms
-//  come from pass 1 (sums of squares in float32, round to nearest, no flush-to-zero: relative
-//  error below gamma' = (K + S) 2^-24 / (1 - (K + S) 2^-24) plus 2^-149 per term lost in the
-//  subnormal range), taken as sqrt(sum + (K + S) 2^-148) (1 + gamma' + 2^-22).
-// The float32 rescoring (one FMA chain per thread, then a tree: depth below K + 32) errs by at
-// most rho (||x|| ||w|| + |bias|), rho = gamma_{K + 32}(2^-24): the rescored z lies within
+//  Summing, with g = g_tc (1 + g_sum) + g_sum, O = sum over i of step 1's bound and
+//  sum |tf32(x_i) tf32(w_i)| <= sum |x_i| |w_i| + O: |z~ - z| <= (1 + g) O + g sum |x_i| |w_i|
+//     + g_sum |bias| + (1 + g) 2^-126 (2 K + S + 2),
+//  and Cauchy-Schwarz (sum |a_i| |b_i| <= ||a||_2 ||b||_2, ||v||_1 <= sqrt(K) ||v||_2, the
+//  triangle inequality for ||w| + r(w)||): O <= ||x|| ||r(w)|| + ||r(x)|| (||w|| + ||r(w)||)
+//  + 2^-126 sqrt(K) (||x|| + 2 ||w||). The norms come from pass 1 (sums of squares in float32,
+//  round to nearest, no flush-to-zero: relative error below gamma' = (K + S) 2^-24 /
+//  (1 - (K + S) 2^-24) plus 2^-149 per term lost in the subnormal range), taken as
+//  sqrt(sum + (K + S) 2^-148) (1 + gamma' + 2^-22).
+// The float32 rescoring (rescore_dots: an FMA chain per thread, then a fixed tree; rescore_depth
+// roundings on any product's path, the bias addition included) errs by at most
+// rho (||x|| ||w|| + |bias|), rho = gamma_depth(2^-24): the rescored z lies within
 // E = bound + rescoring error of z~. Every constant comes from the host in double, rounded up.
 //
 // Selection. gelu decreases on (-inf, x0] and increases on [x0, inf), x0 = -0.7517915...: over
@@ -74,13 +84,20 @@ constexpr float kGeluMinLower = -0.1699713f;
 
 // Constants of the bound (see above), each a float32 at or above its exact value.
 struct Bound {
-  float relative;         // c_rel
+  float operand;          // 1 + g: multiplies ||x|| ||r(w)|| + ||r(x)|| (||w|| + ||r(w)||)
+  float accumulation;     // g: multiplies ||x|| ||w||
   float bias;             // g_sum
-  float absolute;         // 2^-126 (2 K + S + 2)
-  float per_norm;         // 2^-126 sqrt(K): multiplies ||x|| + ||w||
+  float absolute;         // (1 + g) 2^-126 (2 K + S + 2)
+  float per_norm;         // (1 + g) 2^-126 sqrt(K): multiplies ||x|| + 2 ||w||
   float squares_floor;    // (K + S) 2^-148, added to a sum of squares
   float norm_slack;       // 1 + gamma' + 2^-22
   float rescore;          // rho
+};
+
+// A row's or a column's norm and the norm of its TF32 residuals.
+struct alignas(8) Norms {
+  float value;
+  float residual;
 };
 
 struct SelectParams {
@@ -88,7 +105,8 @@ struct SelectParams {
   int64_t split_stride;
   int splits;
   const float* x_sumsq;   // [splits, batch]
-  const float* w_norm;    // [n]: weight_norms_kernel's
+  const float* x_residual_sumsq;  // [splits, batch]
+  const Norms* w_norms;   // [n]: weight_norms_kernel's
   const float* bias;      // [n] or nullptr
   float scale;            // finite and non-zero (the host checks)
   int64_t batch;
@@ -109,16 +127,18 @@ __device__ __forceinline__ float norm_from_squares(const float* sumsq, int64_t s
 // z~ and its bound E for one column; false when either is not finite or the norms are too large
 // for the analysis.
 __device__ __forceinline__ bool column_interval(const SelectParams& p, const float* row_partial,
-                                               int64_t col, float x_norm, float w_norm, float& z,
+                                               int64_t col, Norms x, Norms w, float& z,
                                                float& e) {
   z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
   const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
   z += b;
-  const float product = __fmul_ru(x_norm, w_norm);
-  e = __fmaf_ru(p.bound.relative, product,
-                __fmaf_ru(p.bound.bias, fabsf(b),
-                          __fmaf_ru(p.bound.per_norm, __fadd_ru(x_norm, w_norm),
-                                    p.bound.absolute)));
+  const float product = __fmul_ru(x.value, w.value);
+  const float operand = __fadd_ru(__fmul_ru(x.value, w.residual),
+                                  __fmul_ru(x.residual, __fadd_ru(w.value, w.residual)));
+  e = __fmaf_ru(p.bound.per_norm, __fmaf_ru(2.f, w.value, x.value), p.bound.absolute);
+  e = __fmaf_ru(p.bound.bias, fabsf(b), e);
+  e = __fmaf_ru(p.bound.accumulation, product, e);
+  e = __fmaf_ru(p.bound.operand, operand, e);
   e = __fadd_ru(e, __fmul_ru(p.bound.rescore, __fadd_ru(product, fabsf(b))));
   // Below 2^120 no partial sum of pass 1 or of the rescoring (each at most ~||x|| ||w||) can
   // overflow, which the error analysis assumes.
@@ -154,10 +174,9 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
 // NaN.
 __device__ __forceinline__ bool column_value_interval(const SelectParams& p,
                                                       const float* row_partial, int64_t col,
-                                                      float x_norm, float w_norm, float& lo,
-                                                      float& hi) {
+                                                      Norms x, Norms w, float& lo, float& hi) {
   float z, e;
-  if (!column_interval(p, row_partial, col, x_norm, w_norm, z, e)) return false;
+  if (!column_interval(p, row_partial, col, x, w, z, e)) return false;
   value_interval(z, e, p.scale, lo, hi);
   return isfinite(lo) && isfinite(hi);
 }
@@ -187,12 +206,16 @@ __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, 
 // The weight rows' norms, once per call (every selection CTA used to sum the S split sums of
 // squares of all n columns again: half of its loads), between pass 1 and the selection.
 __global__ void __launch_bounds__(kThreads)
-    weight_norms_kernel(const float* __restrict__ w_sumsq, int64_t n, int splits, Bound bound,
-                        float* __restrict__ w_norm) {
+    weight_norms_kernel(const float* __restrict__ w_sumsq,
+                        const float* __restrict__ w_residual_sumsq, int64_t n, int splits,
+                        Bound bound, Norms* __restrict__ w_norms) {
   allow_dependent_launch();
   wait_for_gemm();
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (col < n) w_norm[col] = norm_from_squares(w_sumsq + col, n, splits, bound);
+  if (col < n) {
+    w_norms[col] = Norms{norm_from_squares(w_sumsq + col, n, splits, bound),
+                         norm_from_squares(w_residual_sumsq + col, n, splits, bound)};
+  }
 }
 
 // Columns the selection serves: its CTA keeps the row's upper ends in shared memory, 16 KB at this
@@ -219,14 +242,16 @@ __global__ void __launch_bounds__(kThreads) select_candidates_kernel(const Selec
   const int warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
   const float* row_partial = p.partial + row * p.n;
-  const float x_norm = norm_from_squares(p.x_sumsq + row, p.batch, p.splits, p.bound);
+  const Norms x_norms{norm_from_squares(p.x_sumsq + row, p.batch, p.splits, p.bound),
+                      norm_from_squares(p.x_residual_sumsq + row, p.batch, p.splits, p.bound)};
 
   float best_lower = -INFINITY;
   bool whole_row = false;
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
     float lo = -INFINITY, hi = INFINITY;
-    whole_row |=
-        !column_value_interval(p, row_partial, col, x_norm, __ldg(p.w_norm + col), lo, hi);
+    const float2 w_norms = __ldg(reinterpret_cast<const float2*>(p.w_norms + col));
+    whole_row |= !column_value_interval(p, row_partial, col, x_norms,
+                                        Norms{w_norms.x, w_norms.y}, lo, hi);
     best_lower = fmaxf(best_lower, lo);
     s_upper[col] = hi;
   }
@@ -274,6 +299,13 @@ struct RescoreParams {
 // Columns rescored together: one read of x feeds up to kGroup dot products, and that many weight
 // rows are in flight per thread.
 constexpr int kGroup = 4;
+
+// Roundings on any product's path to a rescored z: rescore_dots' FMA chain (4 per float4 piece,
+// at most ceil(k4 / kThreads) pieces per thread), its 5 shuffle additions and kWarps - 1 additions
+// of the warps' sums, then the bias. The bound's rho is gamma of this depth (~K / 256, not K).
+__host__ __device__ constexpr int64_t rescore_depth(int64_t k4) {
+  return 4 * ((k4 + kThreads - 1) / kThreads) + 5 + (kWarps - 1) + 1;
+}
 
 // x[row] . w[cols[g]] in float32 for the kColumns columns of a group: per thread an FMA chain over
 // every 256th group of 4 floats, then the threads' sums in a fixed tree. Every column's arithmetic

@@ -117,11 +117,14 @@ struct GemmParams {
   int64_t n;
   int64_t k;              // padded K (multiple of 4; the GEMV also needs < 2^31 - 2 kSimtChunkK)
   int64_t k_per_split;    // a multiple of the kernel's K step (kSimtChunkK, kTcBlockK)
-  // certified_pass1_kernel only (the others ignore them): per split, the sum of squares of each x
-  // row (x_sumsq[s * rows + row], this launch's rows) and of each weight row (w_sumsq[s * n +
-  // col]) over the split's K range, for the error bound of the selection; null: not computed.
+  // certified_pass1_kernel only (the others ignore them): per split, over the split's K range, the
+  // sum of squares of each x row (x_sumsq[s * rows + row], this launch's rows) and of each weight
+  // row (w_sumsq[s * n + col]), and the same sums over the rows' TF32 residuals (tf32_residual),
+  // for the error bound of the selection; null: not computed (an operand's two sums together).
   float* x_sumsq;
+  float* x_residual_sumsq;
   float* w_sumsq;
+  float* w_residual_sumsq;
 };
 
 // ------------------------------------------------------------------------------------------------

@@ -461,8 +461,8 @@ struct TmaMaps {
 };
 // ------------------------------------------------------------------------------------------------
 // The certified first pass: single-pass TF32, partial[s, b, n] = the tensor core's sum of
-// tf32(x[b, i]) tf32(w[n, i]) over split s, plus the split sums of squares of the rows (the
-// selection's error bound; forward_certified.cuh). Built for L2 traffic: the 128 x 128 tiles of
+// tf32(x[b, i]) tf32(w[n, i]) over split s, plus the split sums of squares of the rows and of
+// their TF32 residuals (the selection's error bound; forward_certified.cuh). Built for L2 traffic: the 128 x 128 tiles of
 // the 3xTF32 kernel read 32 KB from L2 per 0.5 M multiply-adds, and at B = 1024 pass 1 on them
 // moved 268 MB at ~5.3 TB/s (Nsight Compute) for 48 us, against ~18 us of TF32 MMA: bound by L2,
 // whose read bandwidth from all SMs measured ~6.4-7.6 TB/s with a plain streaming kernel. A
@@ -471,8 +471,8 @@ struct TmaMaps {
 // CTA tile 128 (x rows) x 256 (weight rows) x 32 (K), 384 threads:
 //   warp 0, lane 0: the TMA producer (one 16 KB x box and one 32 KB weight box per stage, both
 //     128-byte swizzled, completing on the stage's full barrier);
-//   warps 1-3: the sums of squares, in the CTAs that owe them (n tile 0: its x rows; m tile 0: its
-//     weight rows), read from the landed stage: the consumers stay free for the MMAs;
+//   warps 1-3: the sums of squares, in the CTAs that owe them (see the code), read from the landed
+//     stage: the consumers stay free for the MMAs;
 //   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all 256 weight rows, one
 //     m64n256k8 wgmma per K step of 8 with both operands read from shared memory.
 // The tensor core accumulates the whole split (no float32 flush: 128 accumulator floats per
@@ -492,7 +492,7 @@ constexpr int kPass1NormThreads = 96;  // warps 1-3
 constexpr int kPass1NormSlots =
     (kPass1BlockM + kPass1BlockN + kPass1NormThreads - 1) / kPass1NormThreads;
 // 128 x 56 + 256 x 224 = 64512 <= 384 x 168 (see kWgProducerRegisters): the consumers hold 128
-// accumulator floats, the producer warpgroup up to 16 partial sums of squares and a row's loads.
+// accumulator floats, the producer warpgroup up to 16 partial sums and a row's loads.
 constexpr int kPass1ProducerRegisters = 56;
 constexpr int kPass1ConsumerRegisters = 224;
 static_assert(kPass1SmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
@@ -500,6 +500,13 @@ static_assert(kPass1StageBytes % kWgSwizzleAlign == 0 && kPass1XTileBytes % kWgS
               "swizzled tiles stay 1024-byte aligned");
 static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= kWgThreads * 168,
               "setmaxnreg within the launch's registers");
+
+// v - trunc19(v), trunc19 clearing the 13 low significand bits: exact in float32 (same sign and
+// exponent, or both subnormal), and at least |v - tf32(v)| whether the tensor core truncates or
+// rounds to nearest (forward_certified.cuh, the bound's step 1).
+__device__ __forceinline__ float tf32_residual(float v) {
+  return v - __uint_as_float(__float_as_uint(v) & 0xffffe000u);
+}
 
 __global__ void __launch_bounds__(kWgThreads, 1)
     certified_pass1_kernel(const GemmParams p, const __grid_constant__ TmaMaps maps) {
@@ -563,7 +570,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // across CTAs. (Summing whole tiles in the CTAs of n tile 0 and m tile 0, with one serial FMA
     // chain per row, cost 17 us of pass 1's 51 at B = 1024.) Thread j takes rows j, j + 96, ...
     // of that list; a 128-byte row holds its 32 floats in swizzled chunk order, which a sum over
-    // the whole row ignores; four partial sums per row keep the FMA chains short.
+    // the whole row ignores. Per row two FMA chains of squares and two of squared residuals (the
+    // producer warpgroup's 56 registers hold 16 partial sums).
     const int j = tid - 32;
     const int x_share = (kPass1BlockM + gridDim.x - 1) / gridDim.x;
     const int w_share = (kPass1BlockN + gridDim.y - 1) / gridDim.y;
@@ -572,7 +580,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int x_rows = p.x_sumsq != nullptr ? min(x_first + x_share, kPass1BlockM) - x_first : 0;
     const int w_rows = p.w_sumsq != nullptr ? min(w_first + w_share, kPass1BlockN) - w_first : 0;
     int row_offset[kPass1NormSlots];  // bytes into a stage, or -1
-    float sums[kPass1NormSlots][4];
+    float sums[kPass1NormSlots][4];  // squares in [0] and [1], squared residuals in [2] and [3]
 #pragma unroll
     for (int i = 0; i < kPass1NormSlots; ++i) {
       const int slot = j + kPass1NormThreads * i;
@@ -592,10 +600,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
         for (int c = 0; c < kPass1BlockK / 4; ++c) {
           const float4 v = *reinterpret_cast<const float4*>(stage_bytes + row_offset[i] + 16 * c);
+          const float4 r = make_float4(tf32_residual(v.x), tf32_residual(v.y),
+                                       tf32_residual(v.z), tf32_residual(v.w));
           sums[i][0] = fmaf(v.x, v.x, sums[i][0]);
           sums[i][1] = fmaf(v.y, v.y, sums[i][1]);
-          sums[i][2] = fmaf(v.z, v.z, sums[i][2]);
-          sums[i][3] = fmaf(v.w, v.w, sums[i][3]);
+          sums[i][2] = fmaf(r.x, r.x, sums[i][2]);
+          sums[i][3] = fmaf(r.y, r.y, sums[i][3]);
+          sums[i][0] = fmaf(v.z, v.z, sums[i][0]);
+          sums[i][1] = fmaf(v.w, v.w, sums[i][1]);
+          sums[i][2] = fmaf(r.z, r.z, sums[i][2]);
+          sums[i][3] = fmaf(r.w, r.w, sums[i][3]);
         }
       }
       __syncwarp();
@@ -604,13 +618,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
     for (int i = 0; i < kPass1NormSlots; ++i) {
       const int slot = j + kPass1NormThreads * i;
-      const float sum = (sums[i][0] + sums[i][1]) + (sums[i][2] + sums[i][3]);
+      const float squares = sums[i][0] + sums[i][1];
+      const float residual_squares = sums[i][2] + sums[i][3];
       if (slot < x_rows) {
         const int64_t m = m0 + x_first + slot;
-        if (m < p.rows) p.x_sumsq[split * p.rows + m] = sum;
+        if (m < p.rows) {
+          p.x_sumsq[split * p.rows + m] = squares;
+          p.x_residual_sumsq[split * p.rows + m] = residual_squares;
+        }
       } else if (slot < x_rows + w_rows) {
         const int64_t col = n0 + w_first + slot - x_rows;
-        if (col < p.n) p.w_sumsq[split * p.n + col] = sum;
+        if (col < p.n) {
+          p.w_sumsq[split * p.n + col] = squares;
+          p.w_residual_sumsq[split * p.n + col] = residual_squares;
+        }
       }
     }
     return;
