@@ -1,5 +1,5 @@
 """The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch =
-1024 rows; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies): a single-pass TF32 GEMM
+769 rows; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies): a single-pass TF32 GEMM
 with a proven error bound, then float32 rescoring of the columns that may still hold each row's
 maximum.
 
@@ -149,6 +149,18 @@ def test_all_columns_equal_rescore_the_whole_row(certified, make_inputs, check_f
     assert bool((argmax == 0).all())
 
 
+@pytest.mark.parametrize("scale", [2.0, -0.5])
+def test_negative_preactivations(scale, certified, make_inputs, check_forward):
+    # z from about -0.5 down to -12: around gelu's minimum (x0 = -0.75) gelu is not monotone, and
+    # far below 0 it climbs back to -0 (float32 gives exactly -0.0 below ~-5.4: ties), so with
+    # scale > 0 a row's largest value sits at its most negative z, with scale < 0 near x0.
+    x, weight, bias = make_inputs(256, 1024, 96, torch.float32, DEVICE)
+    bias = -torch.linspace(0.5, 12.0, 96, device=DEVICE)
+    out, argmax, preactivation, counts = _run(x, weight, bias, scale)
+    check_forward(out, argmax, preactivation, x, weight, bias, scale)
+    assert bool(((counts >= 1) | (counts == -1)).all())
+
+
 @pytest.mark.parametrize("magnitude", [1e-30, 1e-18, 1e18, 1e25])
 def test_huge_and_tiny_magnitudes(magnitude, certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
@@ -181,8 +193,8 @@ def test_rows_with_inf_or_nan(pooled, certified, make_inputs, check_forward):
     assert bool((counts == -1).all())
 
 
-@pytest.mark.parametrize("batch", [1023, 1024])
-def test_the_default_takes_the_certified_path_from_1024_rows(batch, certified, monkeypatch):
+@pytest.mark.parametrize("batch", [768, 769])
+def test_the_default_takes_the_certified_path_from_769_rows(batch, certified, monkeypatch):
     x = torch.rand(batch, 2048, device=DEVICE)
     weight = torch.randn(256, 2048, device=DEVICE) * 0.02
     bias = torch.randn(256, device=DEVICE)
@@ -194,6 +206,6 @@ def test_the_default_takes_the_certified_path_from_1024_rows(batch, certified, m
     # The two paths round differently (float32 dot products in another order): some output
     # differs in its last bits, and the default matches exactly one of them bitwise.
     assert not all(torch.equal(a, b) for a, b in zip(forced, off))
-    expected = forced if batch >= 1024 else off
+    expected = forced if batch >= 769 else off
     for a, b in zip(default, expected):
         assert torch.equal(a, b)

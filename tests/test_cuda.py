@@ -282,7 +282,7 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
 TC_SHAPES = [(33, 5, 7), (100, 257, 130), (1000, 4099, 513), (129, 32, 129), (1024, 8192, 512)]
 
 
-# "default": what the op picks (on sm_90a the certified path from 1024 rows); "3xtf32": the 3xTF32
+# "default": what the op picks (on sm_90a the certified path from 769 rows); "3xtf32": the 3xTF32
 # GEMM at every batch (FUSED_POOL_GELU_CERTIFIED=0); "mma_sync": the portable kernel.
 PATH_SWITCHES = {
     "default": {},

@@ -64,13 +64,14 @@ namespace fg = forward_gemm;
 constexpr int64_t kSimtMaxBatch = 32;
 
 // The certified path (see the top) from this batch on. H200 medians on the benchmarks' data (a
-// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32 (profile_forward.py, commit 9b83586's
-// kernels, benchmarks/NOTES.md): B = 512 85.4 / 50.1 us, 768 84.2 / 72.0, 896 85.8 / 84.5, 1024
-// 84.1 / 88.0, 1152 91.5 / 104.2, 4096 243.6 / 329.2. Level at 896; the switch sits at 1024, where
-// the policy test checks it. Below, pass 1 (the same 38-47 us from 512 to 1024 rows: too few tiles
-// to fill the GPU without splits) and the selection and rescoring (~4 float32 dot products per
-// row on that data) cost more than the 3xTF32 GEMM saves.
-constexpr int64_t kCertifiedMinBatch = 1024;
+// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32 (profile_forward.py, the bound with
+// residual norms, benchmarks/NOTES.md): B = 512 75.1 / 49.7 us, 768 74.3 / 72.0, 832 78.4 / 84.5,
+// 960 74.6 / 88.3, 1024 77.7 / 87.9, 4096 207.4 / 331.2. Both paths' times step with the 128-row
+// tiles: 3xTF32 takes 12 us more at 7 tiles (769-896 rows) than at 6 (768), certified ~4, so the
+// switch sits at 7 tiles, where the policy test checks it. Below, pass 1 (38-49 us from 512 to 1024
+// rows: too few tiles to fill the GPU without splits) and the selection and rescoring cost more
+// than the 3xTF32 GEMM saves.
+constexpr int64_t kCertifiedMinBatch = 6 * fg::kPass1BlockM + 1;
 // Splits of the certified pass 1, at most: the selection reads every split's partial of every
 // (row, column), and its workspace (splits x rows x N partials, plus the norms and candidate
 // lists) then stays at or below 8 x rows x N floats, under one [B, O] tensor for pooling windows
