@@ -70,7 +70,7 @@ def candidate_counts(x, weight, bias):
 
 def short_name(name):
     for known in ("wgmma_splitk", "tf32x3_splitk", "simt_splitk", "argmax_epilogue",
-                  "certified_pass1", "weight_norms", "select_candidates", "rescore_kernel"):
+                  "certified_pass1", "row_norms", "select_candidates", "rescore_kernel"):
         if known in name:
             return known
     return name[:40]

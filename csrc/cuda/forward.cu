@@ -666,10 +666,11 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   const int64_t splits = ceil_div(k_padded, k_per_split);
   // Freed on return: the caching allocator reuses it only after this stream's kernels. The
   // partials, the x and weight rows' split sums of squares and of squared residuals, then the
-  // weight norms (float pairs: an even offset keeps them 8-byte aligned).
+  // weight and x norms (float pairs: an even offset keeps them 8-byte aligned).
   const int64_t sums_floats = splits * (batch * n + 2 * batch + 2 * n);
   const int64_t norms_offset = sums_floats + sums_floats % 2;
-  at::Tensor workspace = at::empty({norms_offset + 2 * n}, options.dtype(at::kFloat));
+  at::Tensor workspace =
+      at::empty({norms_offset + 2 * (n + batch)}, options.dtype(at::kFloat));
   at::Tensor selection =
       at::empty({batch * (1 + certified::kMaxCandidates)}, options.dtype(at::kInt));
   float* partial = workspace.data_ptr<float>();
@@ -689,20 +690,22 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
 
   const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
   auto* const w_norms = reinterpret_cast<certified::Norms*>(partial + norms_offset);
+  certified::Norms* const x_norms = w_norms + n;
   cudaLaunchAttribute norms_attribute{};
-  const cudaLaunchConfig_t norms_config = dependent_launch_config(
-      ceil_div(n, int64_t{certified::kThreads}), certified::kThreads, stream, norms_attribute);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&norms_config, certified::weight_norms_kernel,
-                                    static_cast<const float*>(gemm.w_sumsq),
-                                    static_cast<const float*>(gemm.w_residual_sumsq), n,
-                                    static_cast<int>(splits), bound, w_norms));
+  const cudaLaunchConfig_t norms_config =
+      dependent_launch_config(ceil_div(n + batch, int64_t{certified::kThreads}),
+                              certified::kThreads, stream, norms_attribute);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &norms_config, certified::row_norms_kernel, static_cast<const float*>(gemm.w_sumsq),
+      static_cast<const float*>(gemm.w_residual_sumsq), n,
+      static_cast<const float*>(gemm.x_sumsq), static_cast<const float*>(gemm.x_residual_sumsq),
+      batch, static_cast<int>(splits), bound, w_norms, x_norms));
 
   certified::SelectParams select{};
   select.partial = partial;
   select.split_stride = batch * n;
   select.splits = static_cast<int>(splits);
-  select.x_sumsq = gemm.x_sumsq;
-  select.x_residual_sumsq = gemm.x_residual_sumsq;
+  select.x_norms = x_norms;
   select.w_norms = w_norms;
   select.bias = bias;
   select.scale = scale;

@@ -104,9 +104,8 @@ struct SelectParams {
   const float* partial;   // [splits, batch, n]
   int64_t split_stride;
   int splits;
-  const float* x_sumsq;   // [splits, batch]
-  const float* x_residual_sumsq;  // [splits, batch]
-  const Norms* w_norms;   // [n]: weight_norms_kernel's
+  const Norms* x_norms;   // [batch]: row_norms_kernel's
+  const Norms* w_norms;   // [n]: row_norms_kernel's
   const float* bias;      // [n] or nullptr
   float scale;            // finite and non-zero (the host checks)
   int64_t batch;
@@ -203,18 +202,25 @@ __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, 
   return v;
 }
 
-// The weight rows' norms, once per call (every selection CTA used to sum the S split sums of
-// squares of all n columns again: half of its loads), between pass 1 and the selection.
+// The norms of the weight rows and of the x rows, once per call, between pass 1 and the selection:
+// every selection CTA used to sum the S split sums of squares of all n columns again (half of its
+// loads), and every one of its threads those of its x row. Thread i < n: weight row i; then the
+// x rows.
 __global__ void __launch_bounds__(kThreads)
-    weight_norms_kernel(const float* __restrict__ w_sumsq,
-                        const float* __restrict__ w_residual_sumsq, int64_t n, int splits,
-                        Bound bound, Norms* __restrict__ w_norms) {
+    row_norms_kernel(const float* __restrict__ w_sumsq, const float* __restrict__ w_residual_sumsq,
+                     int64_t n, const float* __restrict__ x_sumsq,
+                     const float* __restrict__ x_residual_sumsq, int64_t batch, int splits,
+                     Bound bound, Norms* __restrict__ w_norms, Norms* __restrict__ x_norms) {
   allow_dependent_launch();
   wait_for_gemm();
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (col < n) {
-    w_norms[col] = Norms{norm_from_squares(w_sumsq + col, n, splits, bound),
-                         norm_from_squares(w_residual_sumsq + col, n, splits, bound)};
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < n) {
+    w_norms[i] = Norms{norm_from_squares(w_sumsq + i, n, splits, bound),
+                       norm_from_squares(w_residual_sumsq + i, n, splits, bound)};
+  } else if (i < n + batch) {
+    const int64_t row = i - n;
+    x_norms[row] = Norms{norm_from_squares(x_sumsq + row, batch, splits, bound),
+                         norm_from_squares(x_residual_sumsq + row, batch, splits, bound)};
   }
 }
 
@@ -229,10 +235,11 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
 // per row with batched loads left too few warps to hide the latency (65 us). Here the CTA computes
 // each column's interval once (its S split partials loaded in batches, the weight norm from
-// weight_norms_kernel), keeping its upper end in shared memory, and takes the block max of the
+// row_norms_kernel), keeping its upper end in shared memory, and takes the block max of the
 // lower ends; the candidates are written in column order (ballots and the warps' counts), so the
-// selection is deterministic.
-__global__ void __launch_bounds__(kThreads) select_candidates_kernel(const SelectParams p) {
+// selection is deterministic. 6 CTAs per SM: 40 registers, no spill (ptxas would take 48, 5 per
+// SM; 8 per SM needs 32 and spilled 92 bytes: 12.9 -> 16.9 us at B = 1024).
+__global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const SelectParams p) {
   wait_for_gemm();
   extern __shared__ float s_upper[];  // [n]
   __shared__ float s_value[kWarps];
@@ -242,8 +249,8 @@ __global__ void __launch_bounds__(kThreads) select_candidates_kernel(const Selec
   const int warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
   const float* row_partial = p.partial + row * p.n;
-  const Norms x_norms{norm_from_squares(p.x_sumsq + row, p.batch, p.splits, p.bound),
-                      norm_from_squares(p.x_residual_sumsq + row, p.batch, p.splits, p.bound)};
+  const float2 x_pair = __ldg(reinterpret_cast<const float2*>(p.x_norms + row));
+  const Norms x_norms{x_pair.x, x_pair.y};
 
   float best_lower = -INFINITY;
   bool whole_row = false;
