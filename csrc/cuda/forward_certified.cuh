@@ -234,7 +234,7 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // One CTA per row, with every load it needs in flight together: the first version (a serial chain
 // of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
 // per row with batched loads left too few warps to hide the latency (65 us). Here the CTA computes
-// each column's interval once (its S split partials loaded in batches, the weight norm from
+// each column's interval once (its S split partials loaded in batches, the norms from
 // row_norms_kernel), keeping its upper end in shared memory, and takes the block max of the
 // lower ends; the candidates are written in column order (ballots and the warps' counts), so the
 // selection is deterministic. 6 CTAs per SM: 40 registers, no spill (ptxas would take 48, 5 per

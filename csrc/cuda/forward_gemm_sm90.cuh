@@ -462,11 +462,12 @@ struct TmaMaps {
 // ------------------------------------------------------------------------------------------------
 // The certified first pass: single-pass TF32, partial[s, b, n] = the tensor core's sum of
 // tf32(x[b, i]) tf32(w[n, i]) over split s, plus the split sums of squares of the rows and of
-// their TF32 residuals (the selection's error bound; forward_certified.cuh). Built for L2 traffic: the 128 x 128 tiles of
-// the 3xTF32 kernel read 32 KB from L2 per 0.5 M multiply-adds, and at B = 1024 pass 1 on them
-// moved 268 MB at ~5.3 TB/s (Nsight Compute) for 48 us, against ~18 us of TF32 MMA: bound by L2,
-// whose read bandwidth from all SMs measured ~6.4-7.6 TB/s with a plain streaming kernel. A
-// 128 x 256 tile reads 48 KB per 1 M multiply-adds (0.75x the bytes; 201 MB at B = 1024).
+// their TF32 residuals (the selection's error bound; forward_certified.cuh). Built for L2
+// traffic: the 128 x 128 tiles of the 3xTF32 kernel read 32 KB from L2 per 0.5 M multiply-adds,
+// and at B = 1024 pass 1 on them moved 268 MB at ~5.3 TB/s (Nsight Compute) for 48 us, against
+// ~18 us of TF32 MMA: bound by L2, whose read bandwidth from all SMs measured ~6.4-7.6 TB/s with a
+// plain streaming kernel. A 128 x 256 tile reads 48 KB per 1 M multiply-adds (0.75x the bytes;
+// 201 MB at B = 1024).
 //
 // CTA tile 128 (x rows) x 256 (weight rows) x 32 (K), 384 threads:
 //   warp 0, lane 0: the TMA producer (one 16 KB x box and one 32 KB weight box per stage, both
