@@ -10,10 +10,10 @@
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum.
 // On sm_90a, from kCertifiedMinBatch rows (use_certified), the certified path replaces both: a
-// single-pass TF32 GEMM (forward_gemm_sm90.cuh's certified_pass1_kernel), the weight rows' norms, a
-// selection of the columns that may hold the row's maximum by a proven error bound, and a float32
-// rescoring of those (forward_certified.cuh): four launches, the same results as the 3xTF32 path's
-// to float32 rounding, with the same tie and NaN rules.
+// single-pass TF32 GEMM (forward_gemm_sm90.cuh's certified_pass1_kernel), the x and weight rows'
+// norms, a selection of the columns that may hold the row's maximum by a proven error bound, and a
+// float32 rescoring of those (forward_certified.cuh): four launches, the same results as the
+// 3xTF32 path's to float32 rounding, with the same tie and NaN rules.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
 // through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
 #include <ATen/core/Tensor.h>
@@ -649,7 +649,7 @@ cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStre
   return config;
 }
 
-// Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the weight norms and the
+// Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the rows' norms and the
 // selection, each a programmatic dependent of the one before. Returns the selection: [batch]
 // candidate counts (-1: every column), then [batch, kMaxCandidates] candidate columns.
 at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,

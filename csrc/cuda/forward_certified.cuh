@@ -26,7 +26,7 @@
 //     most 10 u times sums that earlier steps grew by at most (1 + 10 u) each). C is a whole
 //     split in certified_pass1_kernel: its 128 accumulator floats per thread leave no room for a
 //     second set to flush into (at the default shape, 1024 products: g_tc ~ 2^-12.7, next to the
-//     operands' 2^-9).
+//     operands' ~2^-10 with step 1's residual norms).
 //  4. Float32 additions (round to nearest, no flush): the chains' results, the S split partials
 //     and the bias, at most K / C + S + 2 deep: g_sum = gamma_{K/C + S + 2}(2^-24), with
 //     gamma_m(u) = m u / (1 - m u).
@@ -99,6 +99,12 @@ struct alignas(8) Norms {
   float value;
   float residual;
 };
+
+// One 8-byte read-only load of a Norms pair (row_norms_kernel's output).
+__device__ __forceinline__ Norms load_norms(const Norms* norms) {
+  const float2 pair = __ldg(reinterpret_cast<const float2*>(norms));
+  return Norms{pair.x, pair.y};
+}
 
 struct SelectParams {
   const float* partial;   // [splits, batch, n]
@@ -249,16 +255,14 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
   const int warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
   const float* row_partial = p.partial + row * p.n;
-  const float2 x_pair = __ldg(reinterpret_cast<const float2*>(p.x_norms + row));
-  const Norms x_norms{x_pair.x, x_pair.y};
+  const Norms x_norms = load_norms(p.x_norms + row);
 
   float best_lower = -INFINITY;
   bool whole_row = false;
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
     float lo = -INFINITY, hi = INFINITY;
-    const float2 w_norms = __ldg(reinterpret_cast<const float2*>(p.w_norms + col));
-    whole_row |= !column_value_interval(p, row_partial, col, x_norms,
-                                        Norms{w_norms.x, w_norms.y}, lo, hi);
+    whole_row |= !column_value_interval(p, row_partial, col, x_norms, load_norms(p.w_norms + col),
+                                        lo, hi);
     best_lower = fmaxf(best_lower, lo);
     s_upper[col] = hi;
   }
@@ -318,9 +322,9 @@ __host__ __device__ constexpr int64_t rescore_depth(int64_t k4) {
 // every 256th group of 4 floats, then the threads' sums in a fixed tree. Every column's arithmetic
 // is the same whichever slot or group it is in (deterministic, and the same function for every
 // column, which the selection's argument needs). A group holds exactly the row's next columns, no
-// placeholder: most rows have 1-4 candidates (4.05 on average on the benchmarks' data), and a
-// fixed group of 4 read a placeholder weight row for each empty slot (7.5 row reads of 32 KB per
-// row instead of 5.7 at B = 1024, CPU model of the candidate counts).
+// placeholder: most rows have 1-2 candidates (1.74 on average on the benchmarks' data at B =
+// 1024), and a fixed group of 4 read a placeholder weight row for each empty slot (with the
+// earlier bound's 4.05 candidates: 7.5 row reads of 32 KB per row instead of 5.7).
 template <int kColumns>
 __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float4* x_row,
                                              const int64_t* cols, float* dots,
