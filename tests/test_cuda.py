@@ -495,18 +495,28 @@ def test_ops_run_on_the_current_non_default_stream(make_inputs):
 
 # (batch, pooled) around the grouping kernel's tile of 4096 rows and scan chunk of 4096 segments
 # (group_rows_kernel in csrc/cuda/backward.cu): one tile, a tile boundary, several tiles, several
-# chunks, single row and single segment.
+# chunks, single row and single segment. The segment reduction's tiles are 256 rows: the crowded
+# groups below span several.
 GROUPING_SHAPES = [(1, 1), (37, 5), (4096, 512), (4097, 4097), (10000, 300), (3000, 9000)]
 
 
 @pytest.mark.parametrize("batch,pooled", GROUPING_SHAPES, ids=str)
-def test_backward_adds_each_arg_max_group_in_increasing_row_order(batch, pooled):
+@pytest.mark.parametrize(
+    "in_features,x_layout", [(24, "contiguous"), (70, "column-major")], ids=str
+)
+def test_backward_adds_each_arg_max_group_in_increasing_row_order(
+    batch, pooled, in_features, x_layout
+):
     # With grad_preactivation alone, dz[b] is that value exactly (no erf or exp), so grad_weight
     # and grad_bias must be, bit for bit, float32 sums over each group's rows in increasing b of
     # rounded products: with random values any other order, or a row lost or counted twice, shows.
-    gen = torch.Generator().manual_seed(batch * 7919 + pooled)
-    in_features = 24
-    x = torch.randn(batch, in_features, generator=gen)
+    # 24 columns: one partial 32-column chunk of the segment reduction; 70: two full and a partial
+    # one, read through a column-major x (stride 1 along the batch).
+    gen = torch.Generator().manual_seed(batch * 7919 + pooled + in_features)
+    if x_layout == "contiguous":
+        x = torch.randn(batch, in_features, generator=gen)
+    else:
+        x = torch.randn(in_features, batch, generator=gen).t()
     weight = torch.randn(pooled, in_features, generator=gen)
     # Half the rows crowd into three groups (long groups across tiles), the rest spread out, and
     # about 5% are out of range (in no group: NaN grad_x, nothing added).
@@ -518,8 +528,10 @@ def test_backward_adds_each_arg_max_group_in_increasing_row_order(batch, pooled)
     argmax = torch.where((pick > 0.95) & (pick <= 0.975), torch.full_like(argmax, pooled + 3), argmax)
     dz = torch.randn(batch, generator=gen)
 
+    x_cuda = x.cuda()
+    assert x_cuda.stride() == x.stride()
     grad_x, grad_weight, grad_bias = _OPS.forward_backward(
-        None, dz.cuda(), x.cuda(), weight.cuda(), argmax.cuda(), torch.randn(batch).cuda(), 2.0
+        None, dz.cuda(), x_cuda, weight.cuda(), argmax.cuda(), torch.randn(batch).cuda(), 2.0
     )
     expected_weight = torch.zeros(pooled, in_features)
     expected_bias = torch.zeros(pooled)
