@@ -510,8 +510,8 @@ def test_backward_adds_each_arg_max_group_in_increasing_row_order(
     # With grad_preactivation alone, dz[b] is that value exactly (no erf or exp), so grad_weight
     # and grad_bias must be, bit for bit, float32 sums over each group's rows in increasing b of
     # rounded products: with random values any other order, or a row lost or counted twice, shows.
-    # 24 columns: one partial 32-column chunk of the segment reduction; 70: two full and a partial
-    # one, read through a column-major x (stride 1 along the batch).
+    # 24 columns of a contiguous x, and 70 of a column-major one (stride 1 along the batch): both
+    # a part of one 256-column chunk of the segment reduction, with scalar loads either way.
     gen = torch.Generator().manual_seed(batch * 7919 + pooled + in_features)
     if x_layout == "contiguous":
         x = torch.randn(batch, in_features, generator=gen)
