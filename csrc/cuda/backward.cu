@@ -8,11 +8,13 @@
 //   grad_bias[n]   = sum over the same rows of dz[b]
 //
 // Determinism: no float atomics. The rows are grouped by arg-max with a stable counting sort of our
-// own (group_rows_kernel: one block, one launch, no host sync), and each grad_weight element is one
-// thread's sequential sum over its segment in sorted = increasing-b order. Every product dz*x is
-// rounded to float before it is added (no FMA contraction): given the same dz, the result is
-// bit-for-bit the naive left-to-right float loop (dz itself may differ from a CPU's in the last
-// bits, through erf and exp).
+// own (group_rows_kernel: one block, one launch, no host sync), and every sum runs in one fixed
+// order. In sorted order (by arg-max, then increasing b) the rows are cut into tiles of
+// kSegmentTileRows; a segment's rows within one tile are summed left to right from zero (a
+// "piece", segment_tiles_kernel), and a segment's pieces left to right (segment_pieces_kernel).
+// Every product dz*x is rounded to float before it is added (no FMA contraction). So given the same
+// dz, the result is bit for bit that float loop (dz itself may differ from a CPU's in the last
+// bits, through erf and exp); the CPU backward sums each segment in one left-to-right pass.
 //
 // Arg-max values outside [0, N) can only come from a caller passing garbage, and checking them on
 // the host would need a device-to-host sync. The kernels never read out of bounds instead: such a
@@ -56,26 +58,24 @@ constexpr int kGatherThreads = 256;
 // evaluated once per 4 vectors instead of once per vector. More would leave lanes idle at small K.
 constexpr int kGatherVectorsPerLane = 4;
 
-// Segment reduction: a block owns kSegmentThreads columns (one per thread: scalar loads, a warp
-// reads 128 contiguous bytes of a row) of kSegmentsPerBlock consecutive segments, and stages up to
-// kSegmentThreads of their rows at a time (row offset and dz) in shared memory.
+// Segment reduction, first kernel (segment_tiles_kernel): a block sums one tile of kSegmentTileRows
+// sorted rows over kSegmentThreads columns (one per thread: scalar loads, a warp reads 128
+// contiguous bytes of a row, a block 1 KB), with all of a thread's loads in flight at once (32
+// registers). Fixed tiles, not segments, are the unit of work: every block has the same few rows,
+// and a segment of n rows is n / 32 blocks side by side instead of one chain of n dependent adds
+// (one chain per column was ~1.1 TB/s at best, 42-179 us at B = 1024-4096 when one segment holds
+// the rows: benchmarks/NOTES.md).
 constexpr int kSegmentThreads = 256;
+constexpr int kSegmentTileRows = 32;
+static_assert(kSegmentTileRows + 2 <= kSegmentThreads, "one thread stages each row of a tile");
 
-// Segments per block. Consecutive segments are consecutive in sorted order, so a block walks one
-// contiguous run of rows and pays the latency chain (segment starts -> row indices -> dz -> x) once
-// per tile of rows, not once per segment, and loads of neighbouring segments' rows overlap. One
-// block per segment would be 16384 blocks at the default shape (N = 512, K = 8192), most of them
-// for empty segments, each ~1 us of dependent latency: ~31 waves. 16 gives 32 x 32 = 1024 blocks,
-// about two waves, while the rows of 16 segments in one block stay few next to the longest segment.
-constexpr int kSegmentsPerBlock = 16;
-static_assert(kSegmentsPerBlock + 1 <= kSegmentThreads, "one thread stages each segment start");
-
-// x loads each thread issues before it adds any of them. When most rows pick the same n (the
-// realistic case: at the default shape and data, 47 distinct arg-maxes, the largest taking 279 of
-// 1024 rows), few blocks do most of the work and the bytes in flight per block are
-// kSegmentThreads * 4 B * kSegmentRowsInFlight = 32 KiB (float32); 1 MiB over the 32 blocks of
-// one segment at K = 8192. It costs 32 registers per thread.
-constexpr int kSegmentRowsInFlight = 32;
+// Segment reduction, second kernel (segment_pieces_kernel): each block covers kPieceSegments
+// segments over kSegmentThreads columns (512 blocks at the default shape, one wave); it zeroes the
+// empty ones and adds the pieces of those that span tiles, kPieceBatch piece loads in flight at a
+// time (a segment of all 4096 rows has 128 pieces).
+constexpr int kPieceSegments = 32;
+constexpr int kPieceBatch = 16;
+static_assert(kPieceSegments + 1 <= kSegmentThreads, "one thread stages each segment start");
 
 // Grouping rows by arg-max (group_rows_kernel): one block of kGroupThreads threads sorts tiles of
 // kGroupTileRows rows. 512 x 8: the kernel's shared memory (cub's block radix sort of 4096 32-bit
@@ -278,110 +278,176 @@ __global__ void __launch_bounds__(kGroupThreads)
   }
 }
 
-// Block (group, chunk): grad_weight[n, chunk*kSegmentThreads + t] for thread t and every n of the
-// group's segments first_seg .. first_seg + num_segs - 1, and grad_bias[n] by thread 0 of chunk 0
-// (chunks >= 1 even for in_features == 0, so the bias is always written). Segment n is
-// order[segment_starts[n] .. segment_starts[n+1]): the rows b with argmax[b] == n in increasing b
-// (group_rows_kernel). The block walks the sorted positions of its segments in order, accumulating
-// acc += dz[b] * x[b, col] (each product rounded, no FMA) and storing acc when a segment ends, so
-// empty segments get zeros and grad_weight needs no memset.
+// Block (tile, chunk) of the segment reduction's first pass: sorted positions tile * R .. tile * R +
+// rows - 1 (R = kSegmentTileRows), columns chunk * kSegmentThreads + t. Segment n is
+// order[segment_starts[n] .. segment_starts[n + 1]): the rows b with argmax[b] == n in increasing b
+// (group_rows_kernel). Each run of the tile's rows in one segment (a piece) is summed left to right
+// from zero, acc += dz[b] * x[b, col] (each product rounded, no FMA), and goes to
+//   pieces[tile][0]        when the segment has rows before the tile (it is the tile's first),
+//   pieces[tile][1]        when it has rows after the tile but none before (the tile's last),
+//   grad_weight[n] itself  when all of its rows are in this tile: the piece is the whole sum.
+// grad_bias the same way from dz alone (thread 0 of chunk 0, bias_pieces). Blocks past the last
+// sorted row (rows whose arg-max is out of range are in no segment) have nothing to do.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSegmentThreads)
-    segment_reduce_kernel(DzInputs<scalar_t> dz_in, const scalar_t* __restrict__ x,
-                          int64_t x_stride0, int64_t x_stride1, const int64_t* __restrict__ order,
-                          const int64_t* __restrict__ segment_starts,
-                          scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
-                          int64_t pooled, int64_t in_features, int64_t chunks) {
-  __shared__ int64_t seg_start[kSegmentsPerBlock + 1];  // segment_starts of the group's segments
-  __shared__ int64_t row_offset[kSegmentThreads];       // b * x_stride0 of the staged rows
-  __shared__ float row_dz_tile[kSegmentThreads];        // dz[b] of the staged rows
+    segment_tiles_kernel(DzInputs<scalar_t> dz_in, const scalar_t* __restrict__ x,
+                         int64_t x_stride0, int64_t x_stride1, const int64_t* __restrict__ argmax,
+                         int64_t argmax_stride, const int64_t* __restrict__ order,
+                         const int64_t* __restrict__ segment_starts,
+                         scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
+                         float* __restrict__ pieces, float* __restrict__ bias_pieces,
+                         int64_t pooled, int64_t in_features, int64_t chunks) {
+  __shared__ int64_t row_offset[kSegmentTileRows];  // b * x_stride0 of the tile's rows
+  __shared__ float row_dz_tile[kSegmentTileRows];
+  // The segments of the row before the tile, of its rows, and of the row after it (-1: none).
+  __shared__ int64_t row_segment[kSegmentTileRows + 2];
 
-  const int64_t group = blockIdx.x / chunks;
-  const int64_t chunk = blockIdx.x - group * chunks;
-  const int64_t first_seg = group * kSegmentsPerBlock;
-  const int num_segs = static_cast<int>(std::min<int64_t>(pooled - first_seg, kSegmentsPerBlock));
-  if (static_cast<int>(threadIdx.x) <= num_segs) {
-    seg_start[threadIdx.x] = segment_starts[first_seg + threadIdx.x];  // index <= pooled
-  }
-  const int64_t col = chunk * kSegmentThreads + threadIdx.x;
-  const bool has_col = col < in_features;
-  const bool writes_bias = chunk == 0 && threadIdx.x == 0;
-  const scalar_t* x_col = x + col * x_stride1;  // dereferenced only when has_col
-  __syncthreads();  // seg_start is staged
-  const int64_t begin = seg_start[0];
-  const int64_t end = seg_start[num_segs];
-
-  // Every thread runs the same control flow (segment boundaries are block-uniform); each keeps its
-  // column's sum and, redundantly, the bias sum, which only writes_bias stores.
-  int seg = 0;  // the local segment that the next row belongs to, or one that ends before it
-  float acc = 0.0f;
-  float bias_acc = 0.0f;
-  // Stores the finished local segment `seg` and starts the next one.
-  auto finish_segment = [&]() {
-    if (has_col) grad_weight[(first_seg + seg) * in_features + col] = static_cast<scalar_t>(acc);
-    if (writes_bias) grad_bias[first_seg + seg] = static_cast<scalar_t>(bias_acc);
-    acc = 0.0f;
-    bias_acc = 0.0f;
-    ++seg;
-  };
-  // Adds the staged rows i0 .. i0 + count - 1 (sorted positions tile + i0 ...). All loads are
-  // issued before the first add, so they overlap. kFull (count == kSegmentRowsInFlight) is the hot
-  // path: without a predicate per load ptxas issues all the loads back to back; with one per load
-  // (seen in the SASS) it runs out of predicate registers and interleaves loads and adds.
-  auto add_rows = [&](auto full, int64_t tile, int i0, int count) {
-    constexpr bool kFull = decltype(full)::value;
-    scalar_t vals[kSegmentRowsInFlight];
-#pragma unroll
-    for (int u = 0; u < kSegmentRowsInFlight; ++u) {
-      if ((kFull || u < count) && has_col) vals[u] = x_col[row_offset[i0 + u]];
-    }
-    if constexpr (kFull) {
-      // Fast path, block-uniform: the whole batch lies in one segment, so its rows need no
-      // segment-boundary checks. A segment of hundreds of rows (the usual case: at the default
-      // shape one arg-max takes ~40% of the rows) is then a tight chain of multiply-adds. With a
-      // shared-memory load and a branch per row (the path below), that segment's blocks set the
-      // kernel's length: 72 us at B = 1024 (ncu), the SMs active 42% of it, DRAM at 12%.
-      const int64_t first = tile + i0;
-      while (seg_start[seg + 1] <= first) finish_segment();
-      if (seg_start[seg + 1] >= first + kSegmentRowsInFlight) {
-#pragma unroll
-        for (int u = 0; u < kSegmentRowsInFlight; ++u) {
-          const float dz = row_dz_tile[i0 + u];
-          if (has_col) acc = __fadd_rn(acc, __fmul_rn(dz, static_cast<float>(vals[u])));
-          bias_acc = __fadd_rn(bias_acc, dz);
-        }
-        return;
+  const int64_t tile = blockIdx.x / chunks;
+  const int64_t chunk = blockIdx.x - tile * chunks;
+  const int64_t sorted_rows = segment_starts[pooled];
+  const int64_t tile_start = tile * kSegmentTileRows;
+  if (tile_start >= sorted_rows) return;  // block-uniform
+  const int rows = static_cast<int>(std::min<int64_t>(sorted_rows - tile_start, kSegmentTileRows));
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < rows + 2) {
+    const int64_t position = tile_start - 1 + t;
+    int64_t segment = -1;
+    if (position >= 0 && position < sorted_rows) {
+      const int64_t b = order[position];  // a row index in [0, batch) with argmax[b] in [0, pooled)
+      segment = argmax[b * argmax_stride];
+      if (t >= 1 && t <= rows) {
+        row_offset[t - 1] = b * x_stride0;
+        row_dz_tile[t - 1] = row_dz(dz_in, b);
       }
     }
+    row_segment[t] = segment;
+  }
+  const int64_t col = chunk * kSegmentThreads + t;
+  const bool has_col = col < in_features;
+  const bool writes_bias = chunk == 0 && t == 0;
+  const scalar_t* x_col = x + col * x_stride1;  // dereferenced only when has_col
+  __syncthreads();  // the tile is staged
+
+  // All loads before the first add, so that they overlap; the full tile (the common case) has no
+  // per-load predicate, so ptxas issues them back to back.
+  scalar_t vals[kSegmentTileRows];
+  if (has_col) {
+    if (rows == kSegmentTileRows) {
 #pragma unroll
-    for (int u = 0; u < kSegmentRowsInFlight; ++u) {
-      if (kFull || u < count) {
-        // Segments ending at or before this row are complete (empty ones included). Stops at the
-        // row's own segment: tile + i0 + u < end = seg_start[num_segs], so seg < num_segs.
-        while (seg_start[seg + 1] <= tile + i0 + u) finish_segment();
-        const float dz = row_dz_tile[i0 + u];
-        if (has_col) acc = __fadd_rn(acc, __fmul_rn(dz, static_cast<float>(vals[u])));
+      for (int i = 0; i < kSegmentTileRows; ++i) vals[i] = x_col[row_offset[i]];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kSegmentTileRows; ++i) {
+        if (i < rows) vals[i] = x_col[row_offset[i]];
+      }
+    }
+  }
+
+  // Stores the piece of rows first .. end - 1, all in segment row_segment[first + 1].
+  auto store_piece = [&](int first, int end, float acc, float bias_acc) {
+    const int64_t n = row_segment[first + 1];
+    const bool from_before = first == 0 && row_segment[0] == n;
+    const bool into_after = end == rows && row_segment[rows + 1] == n;
+    if (from_before || into_after) {
+      const int64_t slot = 2 * tile + (from_before ? 0 : 1);
+      if (has_col) pieces[slot * in_features + col] = acc;
+      if (writes_bias) bias_pieces[slot] = bias_acc;
+    } else {
+      if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(acc);
+      if (writes_bias) grad_bias[n] = static_cast<scalar_t>(bias_acc);
+    }
+  };
+  float acc = 0.0f;
+  float bias_acc = 0.0f;
+  if (row_segment[1] == row_segment[rows]) {
+    // One segment over the whole tile (block-uniform; segments are contiguous in sorted order):
+    // a tight chain of adds without boundary checks.
+#pragma unroll
+    for (int i = 0; i < kSegmentTileRows; ++i) {
+      if (i < rows) {
+        const float dz = row_dz_tile[i];
+        if (has_col) acc = __fadd_rn(acc, __fmul_rn(dz, static_cast<float>(vals[i])));
         bias_acc = __fadd_rn(bias_acc, dz);
       }
     }
-  };
-
-  for (int64_t tile = begin; tile < end; tile += kSegmentThreads) {
-    const int rows = static_cast<int>(std::min<int64_t>(end - tile, kSegmentThreads));
-    if (static_cast<int>(threadIdx.x) < rows) {
-      const int64_t b = order[tile + threadIdx.x];  // a row index in [0, batch)
-      row_offset[threadIdx.x] = b * x_stride0;
-      row_dz_tile[threadIdx.x] = row_dz(dz_in, b);
-    }
-    __syncthreads();  // the tile is staged
-    int i0 = 0;
-    for (; i0 + kSegmentRowsInFlight <= rows; i0 += kSegmentRowsInFlight) {
-      add_rows(std::true_type{}, tile, i0, kSegmentRowsInFlight);
-    }
-    if (i0 < rows) add_rows(std::false_type{}, tile, i0, rows - i0);
-    __syncthreads();  // every thread is done with the tile before the next one overwrites it
+    store_piece(0, rows, acc, bias_acc);
+    return;
   }
-  while (seg < num_segs) finish_segment();  // the last non-empty segment and empty ones after it
+  int first = 0;
+#pragma unroll
+  for (int i = 0; i < kSegmentTileRows; ++i) {
+    if (i < rows) {
+      if (i > 0 && row_segment[i + 1] != row_segment[i]) {
+        store_piece(first, i, acc, bias_acc);
+        acc = 0.0f;
+        bias_acc = 0.0f;
+        first = i;
+      }
+      const float dz = row_dz_tile[i];
+      if (has_col) acc = __fadd_rn(acc, __fmul_rn(dz, static_cast<float>(vals[i])));
+      bias_acc = __fadd_rn(bias_acc, dz);
+    }
+  }
+  store_piece(first, rows, acc, bias_acc);
+}
+
+// Block (group, chunk) of the second pass: segments group * kPieceSegments + j, columns chunk *
+// kSegmentThreads + t. An empty segment gets zeros. A segment whose rows s .. e - 1 (sorted
+// positions) span tiles t0 = s / R < t1 = (e - 1) / R gets, left to right, pieces[t0][1] (its rows
+// in t0: it is that tile's last segment) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first
+// segment of every later tile). A segment inside one tile was written by segment_tiles_kernel.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSegmentThreads)
+    segment_pieces_kernel(const int64_t* __restrict__ segment_starts,
+                          const float* __restrict__ pieces, const float* __restrict__ bias_pieces,
+                          scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
+                          int64_t pooled, int64_t in_features, int64_t chunks) {
+  __shared__ int64_t starts[kPieceSegments + 1];  // one round trip for the block's segments
+  const int64_t group = blockIdx.x / chunks;
+  const int64_t chunk = blockIdx.x - group * chunks;
+  const int64_t col = chunk * kSegmentThreads + threadIdx.x;
+  const bool has_col = col < in_features;
+  const bool writes_bias = chunk == 0 && threadIdx.x == 0;
+  const int64_t first_seg = group * kPieceSegments;
+  const int segments = static_cast<int>(std::min<int64_t>(pooled - first_seg, kPieceSegments));
+  if (static_cast<int>(threadIdx.x) <= segments) {
+    starts[threadIdx.x] = segment_starts[first_seg + threadIdx.x];  // index <= pooled
+  }
+  __syncthreads();
+  for (int j = 0; j < segments; ++j) {
+    const int64_t n = first_seg + j;
+    const int64_t s = starts[j];
+    const int64_t e = starts[j + 1];
+    if (s == e) {
+      if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(0.0f);
+      if (writes_bias) grad_bias[n] = static_cast<scalar_t>(0.0f);
+      continue;
+    }
+    const int64_t t0 = s / kSegmentTileRows;
+    const int64_t t1 = (e - 1) / kSegmentTileRows;
+    if (t0 == t1) continue;
+    float acc = has_col ? pieces[(2 * t0 + 1) * in_features + col] : 0.0f;
+    float bias_acc = writes_bias ? bias_pieces[2 * t0 + 1] : 0.0f;
+    for (int64_t t = t0 + 1; t <= t1; t += kPieceBatch) {
+      float piece[kPieceBatch];
+      float bias_piece[kPieceBatch];
+#pragma unroll
+      for (int u = 0; u < kPieceBatch; ++u) {
+        const bool in_range = t + u <= t1;
+        piece[u] = in_range && has_col ? pieces[2 * (t + u) * in_features + col] : 0.0f;
+        bias_piece[u] = in_range && writes_bias ? bias_pieces[2 * (t + u)] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kPieceBatch; ++u) {
+        if (t + u <= t1) {
+          acc = __fadd_rn(acc, piece[u]);
+          bias_acc = __fadd_rn(bias_acc, bias_piece[u]);
+        }
+      }
+    }
+    if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(acc);
+    if (writes_bias) grad_bias[n] = static_cast<scalar_t>(bias_acc);
+  }
 }
 
 template <typename scalar_t>
@@ -454,6 +520,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
   int64_t* order = cursor + pooled;
   int key_bits = 0;  // bits of `pooled`, the largest key
   while (key_bits < 32 && (pooled >> key_bits) != 0) ++key_bits;
+  // The segment reduction's pieces (segment_tiles_kernel): two per tile of sorted rows, each a
+  // row of in_features floats (its bias piece beside), 8 MB at B = 4096, K = 8192.
+  const int64_t piece_slots = 2 * ceil_div<int64_t>(batch, kSegmentTileRows);
+  const at::Tensor piece_storage =
+      at::empty({piece_slots * (in_features + 1)}, x.options().dtype(at::kFloat));
+  float* pieces = piece_storage.mutable_data_ptr<float>();
+  float* bias_pieces = pieces + piece_slots * in_features;
   group_rows_kernel<<<1, kGroupThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, pooled, key_bits, segment_starts,
       cursor, order);
@@ -474,14 +547,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
 
     // At least one chunk, so that in_features == 0 still writes grad_bias.
     const int64_t chunks = std::max<int64_t>(ceil_div<int64_t>(in_features, kSegmentThreads), 1);
-    const int64_t groups = ceil_div<int64_t>(pooled, kSegmentsPerBlock);
-    segment_reduce_kernel<scalar_t>
-        <<<grid_blocks(groups * chunks, 1), kSegmentThreads, 0,
+    const int64_t tiles = ceil_div<int64_t>(batch, kSegmentTileRows);  // sorted rows <= batch
+    segment_tiles_kernel<scalar_t>
+        <<<grid_blocks(tiles * chunks, 1), kSegmentThreads, 0,
            c10::cuda::getCurrentCUDAStream()>>>(
             dz_in, x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1),
-            order, segment_starts,
+            argmax.const_data_ptr<int64_t>(), argmax.stride(0), order, segment_starts,
             grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
-            pooled, in_features, chunks);
+            pieces, bias_pieces, pooled, in_features, chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    segment_pieces_kernel<scalar_t>
+        <<<grid_blocks(ceil_div<int64_t>(pooled, kPieceSegments) * chunks, 1), kSegmentThreads, 0,
+           c10::cuda::getCurrentCUDAStream()>>>(
+            segment_starts, pieces, bias_pieces, grad_weight.mutable_data_ptr<scalar_t>(),
+            grad_bias.mutable_data_ptr<scalar_t>(), pooled, in_features, chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {grad_x, grad_weight, grad_bias};
