@@ -63,8 +63,8 @@ constexpr int kGatherVectorsPerLane = 4;
 // contiguous bytes of a row, a block 1 KB), with all of a thread's loads in flight at once (32
 // registers). Fixed tiles, not segments, are the unit of work: every block has the same few rows,
 // and a segment of n rows is n / 32 blocks side by side instead of one chain of n dependent adds
-// (one chain per column was ~1.1 TB/s at best, 42-179 us at B = 1024-4096 when one segment holds
-// the rows: benchmarks/NOTES.md).
+// per column (the earlier kernel, one chain per column and segment: 47.9 / 179.2 us at B = 1024 /
+// 4096 with all rows in one segment, 15.9 + 10.4 / 47.2 + 31.5 for these two: benchmarks/NOTES.md).
 constexpr int kSegmentThreads = 256;
 constexpr int kSegmentTileRows = 32;
 static_assert(kSegmentTileRows + 2 <= kSegmentThreads, "one thread stages each row of a tile");
