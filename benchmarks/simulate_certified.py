@@ -4,12 +4,14 @@ pass"): how tight the bound is and how many columns each row sends to the rescor
     python benchmarks/simulate_certified.py                  # default shape, x ~ randn, 3 seeds
     python benchmarks/simulate_certified.py --x-dist rand -B 1024 -K 8192 -N 512 --splits 8
     python benchmarks/simulate_certified.py --x-dist rand --weights model   # the benchmarks' data
+    python benchmarks/simulate_certified.py --x-dist rand --weights model --operands bf16
 
 --weights uniform draws the pooled weight like one nn.Linear(K, N) row set; --weights model draws
 nn.Linear(K, N * k) (k = 16) and pools it as the fold does, which is what the benchmarks run.
 
 Pass 1 is emulated as the bound models it: operands truncated to TF32 (low 13 mantissa bits
-cleared), float32 products and sums per split, split sums and bias in float32. The bound (with the
+cleared; --operands bf16 rounds them to bfloat16 instead, a what-if: the bound takes the residual
+norms of whichever format), float32 products and sums per split, split sums and bias in float32. The bound (with the
 rows' TF32 residual norms) and the interval GELU use the kernel's constants (computed here in
 float64, which only makes them marginally tighter). Prints, per seed: the largest |z~ - z64| / E (must stay below 1), the mean
 E relative to the spread of z, the candidates per row (mean, quantiles, rows over the kernel's
@@ -41,7 +43,18 @@ def tf32(a):
     return (a.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed):
+def bf16(a):
+    """Rounded to nearest (ties to even) to bfloat16, as a float32 array (finite inputs)."""
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+OPERANDS = {"tf32": tf32, "bf16": bf16}
+
+
+def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed, operands="tf32"):
+    convert = OPERANDS[operands]
     torch.manual_seed(seed)
     bound = 1 / math.sqrt(in_features)
     if x_dist == "randn":
@@ -57,11 +70,11 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed):
         b = b.view(pooled, POOL).mean(1)
     w, b = w.float().numpy(), b.float().numpy()
 
-    z_tf32 = np.zeros((batch, pooled), np.float32)
+    z_pass1 = np.zeros((batch, pooled), np.float32)
     edges = np.linspace(0, in_features, splits + 1).astype(int)
     for lo, hi in zip(edges[:-1], edges[1:]):
-        z_tf32 += tf32(x[:, lo:hi]) @ tf32(w[:, lo:hi]).T
-    z_tf32 += b
+        z_pass1 += convert(x[:, lo:hi]) @ convert(w[:, lo:hi]).T
+    z_pass1 += b
     z64 = x.astype(np.float64) @ w.astype(np.float64).T + b
 
     k, s = in_features, splits
@@ -76,14 +89,14 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed):
         return np.sqrt((a.astype(np.float64) ** 2).sum(1)) * slack
 
     x_norm, w_norm = norm(x), norm(w)
-    x_residual, w_residual = norm(x - tf32(x)), norm(w - tf32(w))
+    x_residual, w_residual = norm(x - convert(x)), norm(w - convert(w))
     product = np.outer(x_norm, w_norm)
     operand = np.outer(x_norm, w_residual) + np.outer(x_residual, w_norm + w_residual)
     # rescore_depth: the rescoring's FMA chain over k / 256 floats per thread, then 13 additions.
     rho = gamma(4 * math.ceil(k / 1024) + 13, 2.0**-24)
     e = (1 + g) * operand + g * product + g_sum * np.abs(b) + rho * (product + np.abs(b))
 
-    a, c = z_tf32 - e, z_tf32 + e
+    a, c = z_pass1 - e, z_pass1 + e
     g_lo = np.where(c <= X0, gelu(c), np.where(a >= X0, gelu(a), GELU_MIN))
     g_hi = np.maximum(gelu(a), gelu(c))
     lo, hi = (scale * g_lo, scale * g_hi) if scale > 0 else (scale * g_hi, scale * g_lo)
@@ -92,7 +105,7 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed):
     argmax64 = (gelu(z64) * scale).argmax(axis=1)
     covered = bool((hi[np.arange(batch), argmax64] >= best_lower[:, 0]).all())
     return {
-        "max_err_over_bound": float((np.abs(z_tf32 - z64) / e).max()),
+        "max_err_over_bound": float((np.abs(z_pass1 - z64) / e).max()),
         "bound_over_std_z": float(e.mean() / z64.std()),
         "candidates_mean": float(candidates.mean()),
         "candidates_q50_q99_q999_max": np.quantile(candidates, [0.5, 0.99, 0.999, 1.0]).tolist(),
@@ -111,10 +124,12 @@ def main():
     parser.add_argument("--x-dist", choices=["randn", "rand"], default="randn")
     parser.add_argument("--weights", choices=["uniform", "model"], default="uniform")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--operands", choices=sorted(OPERANDS), default="tf32",
+                        help="pass 1's operand format (the kernel's is tf32; bf16 is a what-if)")
     args = parser.parse_args()
     for seed in args.seeds:
         print(seed, simulate(args.B, args.K, args.N, args.splits, args.scale, args.x_dist,
-                             args.weights, seed))
+                             args.weights, seed, args.operands))
 
 
 if __name__ == "__main__":
