@@ -118,7 +118,10 @@ def _extension():
         ("FPG_DEBUG", "1" if debug else "0"),
     ]
     host_flags = ["-O0", "-g"] if debug else ["-O3"]
-    host_flags += ["-fdiagnostics-color=always"]
+    # No fused multiply-adds in host code: the CPU backward's sums round every product, as the CUDA
+    # kernels' do, so that the two agree bit for bit (csrc/summation_order.h). x86-64 without
+    # -march has no FMA anyway; GCC on aarch64 would contract by default.
+    host_flags += ["-ffp-contract=off", "-fdiagnostics-color=always"]
     link_args = _libstdcxx_link_args()
     sources = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").glob("*.cpp"))]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))]

@@ -138,6 +138,35 @@ def _tolerance(dtype):
     }[dtype]
 
 
+SEGMENT_TILE_ROWS = 32  # kSegmentTileRows in csrc/summation_order.h
+
+
+def _grouped_sums(x, dz, argmax, pooled):
+    """grad_weight [N, K] and grad_bias [N] of the arg-max backward, summed in the order of
+    csrc/summation_order.h in x's dtype: the rows b with argmax[b] == n in increasing b, sorted
+    position p counted over the groups in order of n, cut into pieces where p is a multiple of
+    SEGMENT_TILE_ROWS; each piece summed from zero (dz[b] * x[b] rounded before it is added),
+    then the pieces. Rows with argmax out of [0, pooled) are in no group."""
+    x, dz, argmax = x.cpu(), dz.cpu(), argmax.cpu()
+    grad_weight = torch.zeros(pooled, x.shape[1], dtype=x.dtype)
+    grad_bias = torch.zeros(pooled, dtype=x.dtype)
+    valid = (argmax >= 0) & (argmax < pooled)
+    position = 0
+    for n in range(pooled):
+        pieces = []  # (weight, bias) sums of the group's rows in one tile of sorted rows
+        for b in torch.nonzero(valid & (argmax == n)).flatten().tolist():
+            if not pieces or position % SEGMENT_TILE_ROWS == 0:
+                zero = torch.zeros((), dtype=x.dtype)
+                pieces.append((zero.expand(x.shape[1]), zero))
+            weight_piece, bias_piece = pieces[-1]
+            pieces[-1] = (weight_piece + dz[b] * x[b], bias_piece + dz[b])
+            position += 1
+        for weight_piece, bias_piece in pieces:
+            grad_weight[n] += weight_piece
+            grad_bias[n] += bias_piece
+    return grad_weight, grad_bias
+
+
 @pytest.fixture
 def ref():
     return SimpleNamespace(
@@ -146,6 +175,7 @@ def ref():
         values=_values64,
         model_forward=_model_forward,
         tolerance=_tolerance,
+        grouped_sums=_grouped_sums,
     )
 
 

@@ -498,19 +498,18 @@ def test_ops_run_on_the_current_non_default_stream(make_inputs):
 # chunks, single row and single segment. The crowded groups below span many of the segment
 # reduction's tiles of sorted rows; with one group (96, 1) all rows are in it.
 GROUPING_SHAPES = [(1, 1), (37, 5), (96, 1), (4096, 512), (4097, 4097), (10000, 300), (3000, 9000)]
-SEGMENT_TILE_ROWS = 32  # kSegmentTileRows in csrc/cuda/backward.cu: where a group's pieces end
 
 
 @pytest.mark.parametrize("batch,pooled", GROUPING_SHAPES, ids=str)
 @pytest.mark.parametrize(
     "in_features,x_layout", [(24, "contiguous"), (300, "column-major")], ids=str
 )
-def test_backward_adds_each_arg_max_group_in_its_fixed_order(batch, pooled, in_features, x_layout):
+def test_backward_adds_each_arg_max_group_in_its_fixed_order(
+    batch, pooled, in_features, x_layout, ref
+):
     # With grad_preactivation alone, dz[b] is that value exactly (no erf or exp), so grad_weight
-    # and grad_bias must be, bit for bit, the float32 sums in the kernels' order (rounded products;
-    # the rows of a group in increasing b, cut into pieces at the tiles of sorted rows, each piece
-    # summed from zero, then the pieces): with random values any other order, or a row lost or
-    # counted twice, shows.
+    # and grad_bias must be, bit for bit, the float32 sums in the order of csrc/summation_order.h
+    # (ref.grouped_sums): with random values any other order, or a row lost or counted twice, shows.
     # 24 columns of a contiguous x (part of one 256-column chunk of the segment reduction) and 300
     # of a column-major one (stride 1 along the batch; a full chunk and a partial one).
     gen = torch.Generator().manual_seed(batch * 7919 + pooled + in_features)
@@ -534,23 +533,8 @@ def test_backward_adds_each_arg_max_group_in_its_fixed_order(batch, pooled, in_f
     grad_x, grad_weight, grad_bias = _OPS.forward_backward(
         None, dz.cuda(), x_cuda, weight.cuda(), argmax.cuda(), torch.randn(batch).cuda(), 2.0
     )
-    expected_weight = torch.zeros(pooled, in_features)
-    expected_bias = torch.zeros(pooled)
+    expected_weight, expected_bias = ref.grouped_sums(x, dz, argmax, pooled)
     valid = (argmax >= 0) & (argmax < pooled)
-    position = 0  # sorted position: groups by arg-max, rows in increasing b within a group
-    for n in range(pooled):
-        pieces = []  # (weight, bias) sums of the group's rows in one tile of sorted rows
-        for b in torch.nonzero(valid & (argmax == n)).flatten().tolist():
-            if not pieces or position % SEGMENT_TILE_ROWS == 0:
-                pieces.append((torch.zeros(in_features), torch.zeros(())))
-            weight_piece, bias_piece = pieces[-1]
-            pieces[-1] = (weight_piece + dz[b] * x[b], bias_piece + dz[b])
-            position += 1
-        if pieces:
-            weight_sum, bias_sum = pieces[0]
-            for weight_piece, bias_piece in pieces[1:]:
-                weight_sum, bias_sum = weight_sum + weight_piece, bias_sum + bias_piece
-            expected_weight[n], expected_bias[n] = weight_sum, bias_sum
     assert torch.equal(grad_weight.cpu().view(torch.int32), expected_weight.view(torch.int32))
     assert torch.equal(grad_bias.cpu().view(torch.int32), expected_bias.view(torch.int32))
     expected_x = dz[valid, None] * weight[argmax[valid]]

@@ -235,6 +235,33 @@ def test_cpu_backward_does_not_depend_on_the_thread_count(make_inputs):
         assert torch.equal(a, b)
 
 
+# (batch, pooled): one group holding every row (a piece per tile of 32 sorted rows), and crowded
+# groups beside short ones.
+ORDER_SHAPES = [(96, 1), (300, 7), (1000, 40)]
+
+
+@pytest.mark.parametrize("batch,pooled", ORDER_SHAPES, ids=str)
+def test_backward_sums_each_group_in_the_order_both_devices_share(batch, pooled, device, ref):
+    # With grad_preactivation alone dz[b] is that value exactly (no erf or exp), so on either
+    # device grad_weight and grad_bias must be, bit for bit, the sums in the order of
+    # csrc/summation_order.h (ref.grouped_sums), and so the same on both.
+    gen = torch.Generator().manual_seed(batch + pooled)
+    in_features = 40
+    x = torch.randn(batch, in_features, generator=gen)
+    weight = torch.randn(pooled, in_features, generator=gen)
+    crowded = torch.randint(0, min(pooled, 2), (batch,), generator=gen)
+    spread = torch.randint(0, pooled, (batch,), generator=gen)
+    argmax = torch.where(torch.rand(batch, generator=gen) < 0.6, crowded, spread)
+    dz = torch.randn(batch, generator=gen)
+    _, grad_weight, grad_bias = _OPS.forward_backward(
+        None, dz.to(device), x.to(device), weight.to(device), argmax.to(device),
+        torch.randn(batch).to(device), 2.0,
+    )
+    expected_weight, expected_bias = ref.grouped_sums(x, dz, argmax, pooled)
+    assert torch.equal(grad_weight.cpu().view(torch.int32), expected_weight.view(torch.int32))
+    assert torch.equal(grad_bias.cpu().view(torch.int32), expected_bias.view(torch.int32))
+
+
 def test_bias_none_gives_no_bias_gradient(device, exact_dtype, make_inputs):
     x, weight, _ = make_inputs(8, 16, 12, exact_dtype, device, bias=False)
     x_ours, weight_ours = _leaf(x), _leaf(weight)

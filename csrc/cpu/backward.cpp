@@ -5,10 +5,12 @@
 //   grad_x[b, :]   = dz[b] * weight[j*(b), :]                         (a gather)
 //   grad_weight[n] = sum over rows b with j*(b) = n of dz[b] * x[b]   (a scatter-add)
 //   grad_bias[n]   = sum over the same rows of dz[b]
-// O(B*K + N*K) work instead of the dense backward's two GEMMs. The scatter-add is made
-// deterministic by giving each thread a disjoint range of columns and walking the rows in order.
+// O(B*K + N*K) work instead of the dense backward's two GEMMs. The scatter-add runs in the fixed
+// order of summation_order.h (the CUDA backward's), each thread owning a range of columns: the
+// result does not depend on the thread count, and given the same dz it is the CUDA result.
 #include "checks.h"
 #include "cpu/dtypes.h"
+#include "summation_order.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -17,8 +19,10 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 namespace fused_pool_gelu {
 namespace {
@@ -89,18 +93,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cpu(
       }
     });
 
-    // Each thread owns a range of columns and adds the rows in increasing b: fixed order,
-    // so the result does not depend on the thread count.
+    // The rows grouped by arg-max, increasing b within a group (a stable counting sort): segment
+    // n is order[starts[n] .. starts[n + 1]).
+    std::vector<int64_t> starts(pooled + 1, 0);
+    for (int64_t b = 0; b < batch; ++b) ++starts[argmax_ptr[b] + 1];
+    for (int64_t n = 0; n < pooled; ++n) starts[n + 1] += starts[n];
+    std::vector<int64_t> order(batch);
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t b = 0; b < batch; ++b) order[next[argmax_ptr[b]]++] = b;
+
+    // Each segment's rows in pieces that end at multiples of kSegmentTileRows sorted positions,
+    // each piece summed from zero and then added to the segment's sum (grad_weight starts at zero,
+    // and 0 + piece is the piece: a piece is never -0).
     scalar_t* gw_ptr = grad_weight.mutable_data_ptr<scalar_t>();
+    scalar_t* gb_ptr = grad_bias.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, in_features, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t b = 0; b < batch; ++b) {
-        const scalar_t* x_row = x_ptr + b * in_features;
-        scalar_t* gw_row = gw_ptr + argmax_ptr[b] * in_features;
-        for (int64_t c = begin; c < end; ++c) gw_row[c] += dz_ptr[b] * x_row[c];
+      std::vector<scalar_t> piece(end - begin);
+      for (int64_t n = 0; n < pooled; ++n) {
+        scalar_t* gw_row = gw_ptr + n * in_features;
+        for (int64_t p = starts[n]; p < starts[n + 1]; ++p) {
+          if (p == starts[n] || p % kSegmentTileRows == 0) {
+            if (p != starts[n]) {
+              for (int64_t c = begin; c < end; ++c) gw_row[c] += piece[c - begin];
+            }
+            std::fill(piece.begin(), piece.end(), scalar_t(0));
+          }
+          const scalar_t d = dz_ptr[order[p]];
+          const scalar_t* x_row = x_ptr + order[p] * in_features;
+          for (int64_t c = begin; c < end; ++c) piece[c - begin] += d * x_row[c];
+        }
+        if (starts[n] != starts[n + 1]) {
+          for (int64_t c = begin; c < end; ++c) gw_row[c] += piece[c - begin];
+        }
       }
     });
-    scalar_t* gb_ptr = grad_bias.mutable_data_ptr<scalar_t>();
-    for (int64_t b = 0; b < batch; ++b) gb_ptr[argmax_ptr[b]] += dz_ptr[b];
+    for (int64_t n = 0; n < pooled; ++n) {
+      scalar_t piece = 0;
+      for (int64_t p = starts[n]; p < starts[n + 1]; ++p) {
+        if (p != starts[n] && p % kSegmentTileRows == 0) {
+          gb_ptr[n] += piece;
+          piece = 0;
+        }
+        piece += dz_ptr[order[p]];
+      }
+      if (starts[n] != starts[n + 1]) gb_ptr[n] += piece;
+    }
   });
   return {grad_x, grad_weight, grad_bias};
 }

@@ -8,13 +8,12 @@
 //   grad_bias[n]   = sum over the same rows of dz[b]
 //
 // Determinism: no float atomics. The rows are grouped by arg-max with a stable counting sort of our
-// own (group_rows_kernel: one block, one launch, no host sync), and every sum runs in one fixed
-// order. In sorted order (by arg-max, then increasing b) the rows are cut into tiles of
-// kSegmentTileRows; a segment's rows within one tile are summed left to right from zero (a
-// "piece", segment_tiles_kernel), and a segment's pieces left to right (segment_pieces_kernel).
-// Every product dz*x is rounded to float before it is added (no FMA contraction). So given the same
-// dz, the result is bit for bit that float loop (dz itself may differ from a CPU's in the last
-// bits, through erf and exp); the CPU backward sums each segment in one left-to-right pass.
+// own (group_rows_kernel: one block, one launch, no host sync), and every sum runs in the fixed
+// order of summation_order.h, the CPU backward's too: pieces of a segment's rows within tiles of
+// kSegmentTileRows sorted rows (segment_tiles_kernel), then the pieces (segment_pieces_kernel).
+// Every product dz*x is rounded to float before it is added (no FMA contraction). So given the
+// same dz the result is bit for bit the CPU's (dz itself may differ from a CPU's in the last bits,
+// through erf and exp).
 //
 // Arg-max values outside [0, N) can only come from a caller passing garbage, and checking them on
 // the host would need a device-to-host sync. The kernels never read out of bounds instead: such a
@@ -41,6 +40,7 @@
 
 #include "checks.h"
 #include "cuda/common.cuh"
+#include "summation_order.h"
 
 namespace fused_pool_gelu {
 namespace cuda {
@@ -66,7 +66,6 @@ constexpr int kGatherVectorsPerLane = 4;
 // per column (the earlier kernel, one chain per column and segment: 47.9 / 179.2 us at B = 1024 /
 // 4096 with all rows in one segment, 15.9 + 10.4 / 47.2 + 31.5 for these two: benchmarks/NOTES.md).
 constexpr int kSegmentThreads = 256;
-constexpr int kSegmentTileRows = 32;
 static_assert(kSegmentTileRows + 2 <= kSegmentThreads, "one thread stages each row of a tile");
 
 // Segment reduction, second kernel (segment_pieces_kernel): each block covers kPieceSegments
