@@ -10,8 +10,8 @@ pass"): how tight the bound is and how many columns each row sends to the rescor
 nn.Linear(K, N * k) (k = 16) and pools it as the fold does, which is what the benchmarks run.
 
 Pass 1 is emulated as the bound models it: operands truncated to TF32 (low 13 mantissa bits
-cleared; --operands bf16 rounds them to bfloat16 instead, a what-if: the bound takes the residual
-norms of whichever format), float32 products and sums per split, split sums and bias in float32. The bound (with the
+cleared; --operands bf16 rounds both to bfloat16, bf16-weight only the weight: what-ifs, the
+bound takes the residual norms of whichever format), float32 products and sums per split, split sums and bias in float32. The bound (with the
 rows' TF32 residual norms) and the interval GELU use the kernel's constants (computed here in
 float64, which only makes them marginally tighter). Prints, per seed: the largest |z~ - z64| / E (must stay below 1), the mean
 E relative to the spread of z, the candidates per row (mean, quantiles, rows over the kernel's
@@ -50,11 +50,18 @@ def bf16(a):
     return rounded.astype(np.uint32).view(np.float32)
 
 
-OPERANDS = {"tf32": tf32, "bf16": bf16}
+# Pass 1's (x, weight) operand formats: the kernel's TF32 for both; bf16 for both (a tensor-core
+# what-if); a float32 x against a bf16 copy of the weight (a what-if for the small-batch GEMV, which
+# runs on CUDA cores and is bound by reading the weight: half the bytes).
+OPERANDS = {
+    "tf32": (tf32, tf32),
+    "bf16": (bf16, bf16),
+    "bf16-weight": (lambda a: a, bf16),
+}
 
 
 def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed, operands="tf32"):
-    convert = OPERANDS[operands]
+    convert_x, convert_w = OPERANDS[operands]
     torch.manual_seed(seed)
     bound = 1 / math.sqrt(in_features)
     if x_dist == "randn":
@@ -73,7 +80,7 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed, o
     z_pass1 = np.zeros((batch, pooled), np.float32)
     edges = np.linspace(0, in_features, splits + 1).astype(int)
     for lo, hi in zip(edges[:-1], edges[1:]):
-        z_pass1 += convert(x[:, lo:hi]) @ convert(w[:, lo:hi]).T
+        z_pass1 += convert_x(x[:, lo:hi]) @ convert_w(w[:, lo:hi]).T
     z_pass1 += b
     z64 = x.astype(np.float64) @ w.astype(np.float64).T + b
 
@@ -89,7 +96,7 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed, o
         return np.sqrt((a.astype(np.float64) ** 2).sum(1)) * slack
 
     x_norm, w_norm = norm(x), norm(w)
-    x_residual, w_residual = norm(x - convert(x)), norm(w - convert(w))
+    x_residual, w_residual = norm(x - convert_x(x)), norm(w - convert_w(w))
     product = np.outer(x_norm, w_norm)
     operand = np.outer(x_norm, w_residual) + np.outer(x_residual, w_norm + w_residual)
     # rescore_depth: the rescoring's FMA chain over k / 256 floats per thread, then 13 additions.
