@@ -10,12 +10,13 @@ pass"): how tight the bound is and how many columns each row sends to the rescor
 nn.Linear(K, N * k) (k = 16) and pools it as the fold does, which is what the benchmarks run.
 
 Pass 1 is emulated as the bound models it: operands truncated to TF32 (low 13 mantissa bits
-cleared; --operands bf16 rounds both to bfloat16, bf16-weight only the weight: what-ifs, the
-bound takes the residual norms of whichever format), float32 products and sums per split, split sums and bias in float32. The bound (with the
-rows' TF32 residual norms) and the interval GELU use the kernel's constants (computed here in
-float64, which only makes them marginally tighter). Prints, per seed: the largest |z~ - z64| / E (must stay below 1), the mean
-E relative to the spread of z, the candidates per row (mean, quantiles, rows over the kernel's
-64) and whether the float64 arg-max was always a candidate.
+cleared; --operands bf16 rounds both to bfloat16, bf16-weight only the weight: what-ifs, the bound
+takes the residual norms of whichever format), float32 products and sums per split, split sums
+and bias in float32. The bound (with the rows' residual norms) and the interval GELU use the
+kernel's constants (computed here in float64, which only makes them marginally tighter). Prints,
+per seed: the largest |z~ - z64| / E (must stay below 1), the mean E relative to the spread of z,
+the candidates per row (mean, quantiles, rows over the kernel's 64) and whether the float64
+arg-max was always a candidate.
 """
 
 from __future__ import annotations
