@@ -383,6 +383,31 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
     return kernels
 
 
+def profile_args(description: str, argv=None) -> argparse.Namespace:
+    """The command line of the profile scripts that run the whole module (profile_train.py,
+    profile_backward.py): batch sizes, the shape K, O, k, calls per measurement, --out."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
+    p.add_argument("-K", type=int, default=8192)
+    p.add_argument("-O", type=int, default=8192)
+    p.add_argument("-k", type=int, default=16)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    return p.parse_args(argv)
+
+
+def folded_weights(in_features: int, out_features: int, pool: int):
+    """The benchmarks' weights on the GPU: Model(K, O, k, 2.0) after torch.manual_seed(0), folded
+    (pooled weight [O / k, K], pooled bias [O / k])."""
+    import torch
+
+    import fused_pool_gelu
+
+    torch.manual_seed(0)
+    model = fused_pool_gelu.Model(in_features, out_features, pool, 2.0)
+    return fused_pool_gelu.fold(model.matmul.weight.cuda(), model.matmul.bias.cuda(), pool)
+
+
 def write_profile(path: Optional[str], rows: List[dict]) -> None:
     """The profile_*.py scripts' rows as JSON at path (nothing when path is None)."""
     if path is None:

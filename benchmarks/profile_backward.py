@@ -3,8 +3,8 @@
     python benchmarks/profile_backward.py                      # B in {128, 1024, 4096}
     python benchmarks/profile_backward.py --batches 1024 --out /tmp/profile_backward.json
 
-Calls ops.forward_backward (grad_out = ones, as out.sum().backward() gives) on the pooled weight of
-the benchmarks' model (nn.Linear(8192, 8192) folded with k = 16) and x ~ U(0, 1), with three
+Calls ops.forward_backward (grad_out = ones, as out.sum().backward() gives) on the benchmarks'
+folded weights (common.folded_weights: Model(8192, 8192, 16, 2.0)) and x ~ U(0, 1), with three
 arg-max vectors: "model" (the forward's own: on this data a few tens of distinct arg-maxes, one of
 them taken by ~45% of the rows), "uniform" (random over the N pooled rows: many short segments)
 and "one" (every row the same arg-max: one segment, the longest chain). The segment reduction's
@@ -13,8 +13,6 @@ change to it is measured on all three. Prints each kernel's own time (common.ker
 """
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 
@@ -29,19 +27,10 @@ def short_name(kernel: str) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
-    parser.add_argument("-K", type=int, default=8192)
-    parser.add_argument("-O", type=int, default=8192)
-    parser.add_argument("-k", type=int, default=16)
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = parser.parse_args()
+    args = common.profile_args(__doc__.splitlines()[0])
 
     ops = torch.ops.fused_pool_gelu
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(args.K, args.O).cuda()
-    pooled_weight, pooled_bias = ops.fold(linear.weight.detach(), linear.bias.detach(), args.k)
+    pooled_weight, pooled_bias = common.folded_weights(args.K, args.O, args.k)
     pooled = pooled_weight.shape[0]
     rows = []
     for batch in args.batches:

@@ -40,13 +40,6 @@ SWITCHES = sorted({name for switches in PATHS.values() for name in switches})
 POOL = 16  # the benchmarks' pooling window
 
 
-def pooled_weights(in_features, pooled):
-    """The benchmarks' weights: Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), folded."""
-    torch.manual_seed(0)
-    model = fused_pool_gelu.Model(in_features, pooled * POOL, POOL, 2.0)
-    return fused_pool_gelu.fold(model.matmul.weight.cuda(), model.matmul.bias.cuda(), POOL)
-
-
 def profile(x, weight, bias, calls):
     """Returns ({kernel: {"device_us", "own_us"}}, median time of the whole call, us)."""
 
@@ -87,7 +80,7 @@ def main():
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
 
-    weight, bias = pooled_weights(args.K, args.N)
+    weight, bias = common.folded_weights(args.K, args.N * POOL, POOL)
     rows = []
     for path in args.paths:
         for name in SWITCHES:

@@ -15,8 +15,6 @@ Shape: the default, K = O = 8192, k = 16, scale 2.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 import common
@@ -40,14 +38,7 @@ def profile(batch, in_features, out_features, pool, calls):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
-    parser.add_argument("-K", type=int, default=8192)
-    parser.add_argument("-O", type=int, default=8192)
-    parser.add_argument("-k", type=int, default=16)
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = parser.parse_args()
+    args = common.profile_args(__doc__.splitlines()[0])
 
     rows = []
     for batch in args.batches:
