@@ -7,9 +7,11 @@ One step as bench_train.py times it for ours_model: grads set to None, ModelNew 
 fused forward), out.sum().backward() into weight, bias and x. Prints every kernel the step launches
 with its own time / device time (common.kernel_device_times: a programmatic dependent launch's
 device time holds its wait for the kernel before it, its own time does not), the sum of the own
-times, and the step's median (fused_pool_gelu.timing, as bench_train.py). The median is host-bound
-on a slow host (on the H200 machine at B = 1024 it ranged 306-562 us between runs while
-bench_train.py measured 303): read this script for the kernels, bench_train.py for the step's time.
+times, the step's median (fused_pool_gelu.timing, as bench_train.py) and the median of the same
+step replayed as a CUDA graph (the step's GPU work without its host time). The eager median is
+host-bound on a slow host (on the H200 machine at B = 1024 it ranged 306-562 us between runs while
+bench_train.py measured 303): read this script for the kernels and the GPU work, bench_train.py for
+the step's time.
 Shape: the default, K = O = 8192, k = 16, scale 2.
 """
 
@@ -22,8 +24,24 @@ import fused_pool_gelu
 from fused_pool_gelu.timing import make_timer
 
 
+def graph_replay(step):
+    """step captured as a CUDA graph (PyTorch's whole-network capture: warm-up on a side stream,
+    grads set to None inside the capture); returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def profile(batch, in_features, out_features, pool, calls):
-    """Returns ({kernel: {"device_us", "own_us"}}, median time of one step, us)."""
+    """Returns ({kernel: {"device_us", "own_us"}}, median time of one step, median time of its
+    CUDA-graph replay, us)."""
     torch.manual_seed(batch)
     model = fused_pool_gelu.ModelNew(in_features, out_features, pool, 2.0).cuda()
     x = torch.rand(batch, in_features, device="cuda", requires_grad=True)
@@ -34,7 +52,8 @@ def profile(batch, in_features, out_features, pool, calls):
         model(x).sum().backward()
 
     time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
-    return common.kernel_device_times(step, calls), time_us(step)
+    kernels = common.kernel_device_times(step, calls)
+    return kernels, time_us(step), time_us(graph_replay(step))
 
 
 def main():
@@ -42,11 +61,12 @@ def main():
 
     rows = []
     for batch in args.batches:
-        kernels, median = profile(batch, args.K, args.O, args.k, args.calls)
+        kernels, median, graph_median = profile(batch, args.K, args.O, args.k, args.calls)
         total = sum(times["own_us"] for times in kernels.values())
         rows.append({"B": batch, "K": args.K, "O": args.O, "k": args.k, "kernels_us": kernels,
-                     "own_sum_us": total, "median_us": median})
-        print(f"B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us", flush=True)
+                     "own_sum_us": total, "median_us": median, "graph_median_us": graph_median})
+        print(f"B={batch:5d}: median {median:7.1f} us, as a CUDA graph {graph_median:7.1f} us, "
+              f"own sum {total:7.1f} us", flush=True)
         print("    own / device (us)", flush=True)
         for name, times in sorted(kernels.items(), key=lambda item: -item[1]["own_us"]):
             print(f"    {times['own_us']:7.1f} / {times['device_us']:7.1f}  {name[:100]}",

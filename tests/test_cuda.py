@@ -494,7 +494,7 @@ def test_ops_run_on_the_current_non_default_stream(make_inputs):
 
 
 # (batch, pooled) around the grouping kernel's tile of 4096 rows and scan chunk of 4096 segments
-# (group_rows_kernel in csrc/cuda/backward.cu): one tile, a tile boundary, several tiles, several
+# (group_rows in csrc/cuda/backward.cu): one tile, a tile boundary, several tiles, several
 # chunks, single row and single segment. The crowded groups below span many of the segment
 # reduction's tiles of sorted rows; with one group (96, 1) all rows are in it.
 GROUPING_SHAPES = [(1, 1), (37, 5), (96, 1), (4096, 512), (4097, 4097), (10000, 300), (3000, 9000)]

@@ -8,8 +8,8 @@
 //   grad_bias[n]   = sum over the same rows of dz[b]
 //
 // Determinism: no float atomics. The rows are grouped by arg-max with a stable counting sort of our
-// own (group_rows_kernel: one block, one launch, no host sync), and every sum runs in the fixed
-// order of summation_order.h, the CPU backward's too: pieces of a segment's rows within tiles of
+// own (group_rows: one block, no host sync, in the launch that gathers grad_x), and every sum runs
+// in the fixed order of summation_order.h, the CPU backward's too: pieces of a segment's rows within tiles of
 // kSegmentTileRows sorted rows (segment_tiles_kernel), then the pieces (segment_pieces_kernel).
 // Every product dz*x is rounded to float before it is added (no FMA contraction). So given the
 // same dz the result is bit for bit the CPU's (dz itself may differ from a CPU's in the last bits,
@@ -48,14 +48,10 @@ namespace {
 
 constexpr int kWarpSize = 32;
 
-// grad_x: 8 warps per block, the usual size for a streaming kernel (several blocks per SM, small
-// tail). Each warp owns one row b and a run of kWarpSize * kGatherVectorsPerLane 16-byte vectors.
-constexpr int kGatherThreads = 256;
-
-// 16-byte weight loads each lane issues before its first store: 4 x 16 B x ~1500 resident threads
-// (40 registers) = ~96 KB in flight per SM, several times what DRAM latency needs (~23 KB per SM
-// for 4.3 TB/s at ~0.7 us), and dz (an erf and an exp) is
-// evaluated once per 4 vectors instead of once per vector. More would leave lanes idle at small K.
+// 16-byte weight loads each lane issues before its first store: 4 x 16 B x 1024 resident threads
+// (2 blocks of kGatherThreads per SM) = 64 KB in flight per SM, more than what DRAM latency needs
+// (~23 KB per SM for 4.3 TB/s at ~0.7 us), and dz (an erf and an exp) is evaluated once per 4
+// vectors instead of once per vector. More would leave lanes idle at small K.
 constexpr int kGatherVectorsPerLane = 4;
 
 // Segment reduction, first kernel (segment_tiles_kernel): a block sums one tile of kSegmentTileRows
@@ -76,13 +72,17 @@ constexpr int kPieceSegments = 32;
 constexpr int kPieceBatch = 16;
 static_assert(kPieceSegments + 1 <= kSegmentThreads, "one thread stages each segment start");
 
-// Grouping rows by arg-max (group_rows_kernel): one block of kGroupThreads threads sorts tiles of
+// Grouping rows by arg-max (group_rows): one block of kGroupThreads threads sorts tiles of
 // kGroupTileRows rows. 512 x 8: the kernel's shared memory (cub's block radix sort of 4096 32-bit
 // key-value pairs, mostly) is 18.5 KB on sm_90 and 19.5 KB on sm_80 (cuobjdump), within the 48 KB
 // static limit, and 4096 rows cover every batch of the benchmark (B <= 4096) in one tile.
 constexpr int kGroupThreads = 512;
 constexpr int kGroupItemsPerThread = 8;
 constexpr int kGroupTileRows = kGroupThreads * kGroupItemsPerThread;
+
+// grad_x runs in the grouping's launch (group_rows_and_grad_x_kernel), so at its block size: 16
+// warps, each owning one row b and a run of kWarpSize * kGatherVectorsPerLane 16-byte vectors.
+constexpr int kGatherThreads = kGroupThreads;
 
 constexpr const char* kDtypeText = "float32, float16 or bfloat16";
 
@@ -115,19 +115,19 @@ __device__ __forceinline__ float row_dz(const DzInputs<scalar_t>& in, int64_t b)
   return dz;
 }
 
-// grad_x[b, :] = dz[b] * weight[argmax[b], :]. Warp w covers row b = w / warps_per_row and the
-// vectors (w % warps_per_row) * kWarpSize * kGatherVectorsPerLane + u * kWarpSize + lane, so every
-// load and store instruction of a warp touches 512 contiguous bytes. A row whose arg-max is out of
+// Block `block` of the gather grad_x[b, :] = dz[b] * weight[argmax[b], :]. Warp w covers row b =
+// w / warps_per_row and the vectors (w % warps_per_row) * kWarpSize * kGatherVectorsPerLane + u *
+// kWarpSize + lane, so every load and store instruction of a warp touches 512 contiguous bytes. A row whose arg-max is out of
 // [0, pooled) is written as NaN and its weight row is never read.
 // VEC > 1 requires w_stride1 == 1, 16-byte aligned weight rows and in_features % VEC == 0.
 template <typename scalar_t, int VEC>
-__global__ void __launch_bounds__(kGatherThreads)
-    grad_x_kernel(DzInputs<scalar_t> dz_in, const int64_t* __restrict__ argmax,
-                  int64_t argmax_stride, const scalar_t* __restrict__ weight, int64_t w_stride0,
-                  int64_t w_stride1, scalar_t* __restrict__ grad_x, int64_t batch, int64_t pooled,
-                  int64_t in_features, int64_t warps_per_row) {
+__device__ __forceinline__ void gather_grad_x(
+    int64_t block, const DzInputs<scalar_t>& dz_in, const int64_t* __restrict__ argmax,
+    int64_t argmax_stride, const scalar_t* __restrict__ weight, int64_t w_stride0,
+    int64_t w_stride1, scalar_t* __restrict__ grad_x, int64_t batch, int64_t pooled,
+    int64_t in_features, int64_t warps_per_row) {
   constexpr int kVectorsPerWarp = kWarpSize * kGatherVectorsPerLane;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kGatherThreads + threadIdx.x) / kWarpSize;
+  const int64_t warp = (block * kGatherThreads + threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
   if (warp >= batch * warps_per_row) return;
   const int64_t b = warp / warps_per_row;
@@ -183,7 +183,7 @@ struct MaxPosition {
 // Groups the rows by arg-max: for every n in [0, pooled), order[segment_starts[n] ..
 // segment_starts[n + 1]) holds the rows b with argmax[b] == n in increasing b (stable); rows whose
 // arg-max is out of [0, pooled) are in no segment (and order holds segment_starts[pooled] rows).
-// One block, three phases:
+// One block (the order within a segment is kept by barriers alone), three phases:
 //   1. histogram: cursor[n] = the number of rows with arg-max n (integer atomics: a count does not
 //      depend on the order of its increments);
 //   2. exclusive scan of the counts: segment_starts, and cursor[n] = segment_starts[n];
@@ -193,10 +193,12 @@ struct MaxPosition {
 //      advances cursor[n]. The cursors carry each segment's next position from tile to tile, so
 //      positions within a segment increase with b; one block keeps that chain in order with
 //      barriers alone. key_bits: the bits of `pooled`.
-__global__ void __launch_bounds__(kGroupThreads)
-    group_rows_kernel(const int64_t* __restrict__ argmax, int64_t argmax_stride, int64_t batch,
-                      int64_t pooled, int key_bits, int64_t* __restrict__ segment_starts,
-                      int64_t* __restrict__ cursor, int64_t* __restrict__ order) {
+// Runs in one block of blockDim.x == kGroupThreads.
+__device__ __forceinline__ void group_rows(const int64_t* __restrict__ argmax,
+                                           int64_t argmax_stride, int64_t batch, int64_t pooled,
+                                           int key_bits, int64_t* __restrict__ segment_starts,
+                                           int64_t* __restrict__ cursor,
+                                           int64_t* __restrict__ order) {
   using TileSort = cub::BlockRadixSort<uint32_t, kGroupThreads, kGroupItemsPerThread, uint32_t>;
   using RunFlags = cub::BlockDiscontinuity<uint32_t, kGroupThreads>;
   using PositionScan = cub::BlockScan<int, kGroupThreads>;
@@ -277,10 +279,36 @@ __global__ void __launch_bounds__(kGroupThreads)
   }
 }
 
+// One launch, two independent jobs: block 0 groups the rows (group_rows), blocks 1 .. gather grad_x
+// (gather_grad_x; none when in_features == 0). Launched one after the other, the grouping ran alone
+// on one SM for 10 us at B = 1024 (profile_train.py) with the other 131 idle, then the gather; here
+// the gather fills the other SMs meanwhile, and block 0, the first one scheduled, starts at once. A
+// second stream would overlap them too, at the price of an event fork and join on the host in
+// every step. Both jobs read only the call's inputs, so neither waits for the other.
+// Two blocks per SM (64 registers) for the gather's bytes in flight; ptxas then spills 56 bytes,
+// all in the grouping's code (SASS), which runs in one block.
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kGroupThreads, 2)
+    group_rows_and_grad_x_kernel(DzInputs<scalar_t> dz_in, const int64_t* __restrict__ argmax,
+                                 int64_t argmax_stride, int64_t batch, int64_t pooled,
+                                 int key_bits, int64_t* __restrict__ segment_starts,
+                                 int64_t* __restrict__ cursor, int64_t* __restrict__ order,
+                                 const scalar_t* __restrict__ weight, int64_t w_stride0,
+                                 int64_t w_stride1, scalar_t* __restrict__ grad_x,
+                                 int64_t in_features, int64_t warps_per_row) {
+  if (blockIdx.x == 0) {
+    group_rows(argmax, argmax_stride, batch, pooled, key_bits, segment_starts, cursor, order);
+  } else {
+    gather_grad_x<scalar_t, VEC>(static_cast<int64_t>(blockIdx.x) - 1, dz_in, argmax,
+                                 argmax_stride, weight, w_stride0, w_stride1, grad_x, batch,
+                                 pooled, in_features, warps_per_row);
+  }
+}
+
 // Block (tile, chunk) of the segment reduction's first pass: sorted positions tile * R .. tile * R +
 // rows - 1 (R = kSegmentTileRows), columns chunk * kSegmentThreads + t. Segment n is
 // order[segment_starts[n] .. segment_starts[n + 1]): the rows b with argmax[b] == n in increasing b
-// (group_rows_kernel). Each run of the tile's rows in one segment (a piece) is summed left to right
+// (group_rows). Each run of the tile's rows in one segment (a piece) is summed left to right
 // from zero, acc += dz[b] * x[b, col] (each product rounded, no FMA), and goes to
 //   pieces[tile][0]        when the segment has rows before the tile (it is the tile's first),
 //   pieces[tile][1]        when it has rows after the tile but none before (the tile's last),
@@ -465,19 +493,24 @@ DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
   return in;
 }
 
+// The grouping's arrays are described at their allocation in forward_backward_cuda.
 template <typename scalar_t, int VEC>
-void launch_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
-                   const at::Tensor& weight, at::Tensor& grad_x) {
+void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
+                                  int key_bits, int64_t* segment_starts, int64_t* cursor,
+                                  int64_t* order, const at::Tensor& weight, at::Tensor& grad_x) {
   const int64_t batch = grad_x.size(0);
   const int64_t in_features = grad_x.size(1);
   const int64_t warps_per_row =
       ceil_div<int64_t>(ceil_div<int64_t>(in_features, VEC), kWarpSize * kGatherVectorsPerLane);
-  grad_x_kernel<scalar_t, VEC>
-      <<<grid_blocks(batch * warps_per_row * kWarpSize, kGatherThreads), kGatherThreads, 0,
+  // warps_per_row == 0 when in_features == 0: block 0 alone. One block more than the gather needs.
+  const int64_t gather_threads = batch * warps_per_row * kWarpSize;
+  group_rows_and_grad_x_kernel<scalar_t, VEC>
+      <<<grid_blocks(gather_threads + kGatherThreads, kGatherThreads), kGroupThreads, 0,
          c10::cuda::getCurrentCUDAStream()>>>(
-          dz_in, argmax.const_data_ptr<int64_t>(), argmax.stride(0),
-          weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1),
-          grad_x.mutable_data_ptr<scalar_t>(), batch, weight.size(0), in_features, warps_per_row);
+          dz_in, argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0),
+          key_bits, segment_starts, cursor, order, weight.const_data_ptr<scalar_t>(),
+          weight.stride(0), weight.stride(1), grad_x.mutable_data_ptr<scalar_t>(), in_features,
+          warps_per_row);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -526,22 +559,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
       at::empty({piece_slots * (in_features + 1)}, x.options().dtype(at::kFloat));
   float* pieces = piece_storage.mutable_data_ptr<float>();
   float* bias_pieces = pieces + piece_slots * in_features;
-  group_rows_kernel<<<1, kGroupThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, pooled, key_bits, segment_starts,
-      cursor, order);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward_backward", [&] {
     const DzInputs<scalar_t> dz_in =
         make_dz_inputs<scalar_t>(grad_out, grad_preactivation, preactivation, scale);
 
-    if (in_features > 0) {
-      constexpr int kVec = vector_width<scalar_t>();
-      if (gather_is_vectorizable(weight, grad_x, kVec)) {
-        launch_grad_x<scalar_t, kVec>(dz_in, argmax, weight, grad_x);
-      } else {
-        launch_grad_x<scalar_t, 1>(dz_in, argmax, weight, grad_x);
-      }
+    constexpr int kVec = vector_width<scalar_t>();
+    if (gather_is_vectorizable(weight, grad_x, kVec)) {
+      launch_group_rows_and_grad_x<scalar_t, kVec>(dz_in, argmax, key_bits, segment_starts, cursor,
+                                                   order, weight, grad_x);
+    } else {
+      launch_group_rows_and_grad_x<scalar_t, 1>(dz_in, argmax, key_bits, segment_starts, cursor,
+                                                order, weight, grad_x);
     }
 
     // At least one chunk, so that in_features == 0 still writes grad_bias.
