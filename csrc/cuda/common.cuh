@@ -86,14 +86,23 @@ __device__ __forceinline__ AlignedVector<T, VEC> load_vector(const T* p) {
   return v;
 }
 
-template <typename T, int VEC>
+// kStreaming: st.global.cs (evict first) for the 16-byte path, for outputs far larger than L2 that
+// no kernel of the call reads back (the fold's adjoint writes 256 MB at the default shape); other
+// widths are plain stores.
+template <typename T, int VEC, bool kStreaming = false>
 __device__ __forceinline__ void store_vector(T* p, const AlignedVector<T, VEC>& v) {
   if constexpr (sizeof(v) == 16) {
     uint4 bits;
     memcpy(&bits, &v, sizeof(v));
-    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(p)),
-                 "r"(bits.x), "r"(bits.y), "r"(bits.z), "r"(bits.w)
-                 : "memory");
+    if constexpr (kStreaming) {
+      asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(p)),
+                   "r"(bits.x), "r"(bits.y), "r"(bits.z), "r"(bits.w)
+                   : "memory");
+    } else {
+      asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(p)),
+                   "r"(bits.x), "r"(bits.y), "r"(bits.z), "r"(bits.w)
+                   : "memory");
+    }
   } else {
     *reinterpret_cast<AlignedVector<T, VEC>*>(p) = v;
   }

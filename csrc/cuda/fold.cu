@@ -153,7 +153,9 @@ __global__ void __launch_bounds__(kFoldBackwardThreads)
     }
     scalar_t* dst = grad_weight + first_row * in_features + col;
 #pragma unroll kFoldBackwardStoreUnroll
-    for (int64_t r = 0; r < rows; ++r) store_vector<scalar_t, VEC>(dst + r * in_features, out);
+    for (int64_t r = 0; r < rows; ++r) {
+      store_vector<scalar_t, VEC, /*kStreaming=*/true>(dst + r * in_features, out);
+    }
   }
 
   if (v == 0) {
