@@ -113,22 +113,23 @@ inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
 
 // forward_backward(grad_out [B]?, grad_preactivation [B]?, x [B, K], weight [N, K],
 //                  argmax [B] int64, preactivation [B], scale).
+// op: the op named in errors (model_backward checks the same inputs).
 inline void check_forward_backward_inputs(const c10::optional<at::Tensor>& grad_out,
                                           const c10::optional<at::Tensor>& grad_preactivation,
                                           const at::Tensor& x, const at::Tensor& weight,
                                           const at::Tensor& argmax,
-                                          const at::Tensor& preactivation) {
-  const char* op = "forward_backward";
+                                          const at::Tensor& preactivation,
+                                          const char* op = "forward_backward") {
   check_forward_inputs(x, weight, c10::nullopt);
   const int64_t batch = x.size(0);
   auto check_batch_vector = [&](const char* name, const at::Tensor& t) {
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, "fused_pool_gelu.forward_backward: ", name,
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, "fused_pool_gelu.", op, ": ", name,
                 " must be 1-D [batch] = [", batch, "], got shape ", t.sizes());
     check_same_device(op, name, t, "x", x);
   };
   check_batch_vector("argmax", argmax);
   TORCH_CHECK(argmax.scalar_type() == at::kLong,
-              "fused_pool_gelu.forward_backward: argmax must be int64, got ", argmax.scalar_type());
+              "fused_pool_gelu.", op, ": argmax must be int64, got ", argmax.scalar_type());
   check_batch_vector("preactivation", preactivation);
   check_same_dtype(op, "preactivation", preactivation, "x", x);
   if (grad_out.has_value()) {
@@ -139,6 +140,26 @@ inline void check_forward_backward_inputs(const c10::optional<at::Tensor>& grad_
     check_batch_vector("grad_preactivation", *grad_preactivation);
     check_same_dtype(op, "grad_preactivation", *grad_preactivation, "x", x);
   }
+}
+
+// model_backward(grad_out [B], x [B, K], pooled_weight [N, K], argmax [B] int64, preactivation [B],
+//                scale, out_features, pool_kernel_size) with N = out_features // pool_kernel_size.
+inline void check_model_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                                        const at::Tensor& pooled_weight, const at::Tensor& argmax,
+                                        const at::Tensor& preactivation, int64_t out_features,
+                                        int64_t pool_kernel_size) {
+  check_forward_backward_inputs(grad_out, c10::nullopt, x, pooled_weight, argmax, preactivation,
+                                "model_backward");
+  TORCH_CHECK(pool_kernel_size >= 1,
+              "fused_pool_gelu.model_backward: pool_kernel_size must be >= 1, got ",
+              pool_kernel_size);
+  // out_features >= 0 on its own: -k < out_features < 0 would pass the row count test below.
+  TORCH_CHECK(out_features >= 0, "fused_pool_gelu.model_backward: out_features must be >= 0, got ",
+              out_features);
+  TORCH_CHECK(out_features / pool_kernel_size == pooled_weight.size(0),
+              "fused_pool_gelu.model_backward: pooled_weight must have out_features // "
+              "pool_kernel_size = ", out_features / pool_kernel_size, " rows, got shape ",
+              pooled_weight.sizes());
 }
 
 inline bool is_reduced_float(const at::Tensor& t) {

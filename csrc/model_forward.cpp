@@ -4,8 +4,10 @@
 // Through the separate ops each training step crosses into Python four times (the autograd
 // formulas of fold and forward_with_argmax, registered in ops.py, run once forward and once
 // backward) and records two graph nodes. Here the forward calls fold and forward_with_argmax below
-// autograd and saves what the arg-max backward needs; the backward calls forward_backward then
-// fold_backward. Same kernels, same arguments, so the same bits as the separate ops.
+// autograd and saves what the arg-max backward needs; the backward calls model_backward
+// (forward_backward then fold_backward in one op: on CUDA it skips the pooled gradient's zero rows)
+// or, when only x needs a gradient, forward_backward alone. Same sums in the same order, so the
+// same bits as the separate ops.
 //
 // Inputs are validated by the ops it calls, so errors name them (fold: for weight, bias and
 // pool_kernel_size; forward: for x), as they do when ModelNew calls the ops one by one.
@@ -17,6 +19,7 @@
 #include <optional>
 #include <tuple>
 
+#include "checks.h"
 #include "op_calls.h"
 
 namespace fused_pool_gelu {
@@ -31,6 +34,20 @@ at::Tensor model_forward_kernel(const at::Tensor& x, const at::Tensor& weight,
                                 double scale) {
   const auto [pooled_weight, pooled_bias] = call_fold(weight, bias, pool_kernel_size);
   return std::get<0>(call_forward_with_argmax(x, pooled_weight, pooled_bias, scale));
+}
+
+// model_backward on any device without a kernel of its own (the CPU): the two ops it stands for.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> model_backward_composite(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& pooled_weight,
+    const at::Tensor& argmax, const at::Tensor& preactivation, double scale, int64_t out_features,
+    int64_t pool_kernel_size) {
+  check_model_backward_inputs(grad_out, x, pooled_weight, argmax, preactivation, out_features,
+                              pool_kernel_size);
+  auto [grad_x, grad_pooled_weight, grad_pooled_bias] =
+      call_forward_backward(grad_out, c10::nullopt, x, pooled_weight, argmax, preactivation, scale);
+  auto [grad_weight, grad_bias] =
+      call_fold_backward(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size);
+  return {grad_x, grad_weight, grad_bias};
 }
 
 struct ModelForward : public torch::autograd::Function<ModelForward> {
@@ -63,22 +80,23 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
     const bool needs_weight = ctx->needs_input_grad(1);
     const bool needs_bias = has_bias && ctx->needs_input_grad(2);
 
-    // With create_graph (grad mode on here) the ops go through their autograd formulas, so that
-    // gradients of these gradients work through fold_backward and raise forward_backward's clear
-    // error; otherwise straight to the device kernels.
+    // With create_graph (grad mode on here) the ops go through their autograd formulas, which
+    // raise a clear error on a gradient of these gradients; otherwise straight to the device
+    // kernels.
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
     // No gradient for the preactivation output: the separate ops' autograd passes zeros there,
     // which costs an allocation and a fill per step for nothing but the sign of a zero grad_x
     // (dz = -0.0 + 0 = +0.0 at scale 0).
-    auto [grad_x, grad_pooled_weight, grad_pooled_bias] =
-        call_forward_backward(grad_outputs[0], c10::nullopt, x, pooled_weight, argmax,
-                              preactivation, ctx->saved_data["scale"].toDouble());
-    at::Tensor grad_weight, grad_bias;
+    const double scale = ctx->saved_data["scale"].toDouble();
+    at::Tensor grad_x, grad_weight, grad_bias;
     if (needs_weight || needs_bias) {
-      std::tie(grad_weight, grad_bias) = call_fold_backward(
-          grad_pooled_weight, grad_pooled_bias, ctx->saved_data["out_features"].toInt(),
-          ctx->saved_data["pool_kernel_size"].toInt());
+      std::tie(grad_x, grad_weight, grad_bias) = call_model_backward(
+          grad_outputs[0], x, pooled_weight, argmax, preactivation, scale,
+          ctx->saved_data["out_features"].toInt(), ctx->saved_data["pool_kernel_size"].toInt());
+    } else {
+      grad_x = std::get<0>(call_forward_backward(grad_outputs[0], c10::nullopt, x, pooled_weight,
+                                                 argmax, preactivation, scale));
     }
     return {needs_x ? grad_x : at::Tensor(), needs_weight ? grad_weight : at::Tensor(),
             needs_bias ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
@@ -95,6 +113,7 @@ at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
   m.impl("model_forward", &model_forward_kernel);
+  m.impl("model_backward", &model_backward_composite);
 }
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {

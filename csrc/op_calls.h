@@ -1,5 +1,6 @@
 // Calls of this library's ops through the dispatcher, for C++ kernels built from other ops
-// (forward's and model_forward's kernels in registration.cpp and model_forward.cpp). Going through
+// (forward's, model_forward's and model_backward's kernels in registration.cpp and
+// model_forward.cpp). Going through
 // the dispatcher picks the device kernel, the autocast kernel or the autograd kernel that the
 // current dispatch state asks for, exactly as a call from Python would.
 #pragma once
@@ -57,6 +58,19 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward_backward(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               double)>();
   return op.call(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale);
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_model_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& pooled_weight,
+    const at::Tensor& argmax, const at::Tensor& preactivation, double scale, int64_t out_features,
+    int64_t pool_kernel_size) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fused_pool_gelu::model_backward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>();
+  return op.call(grad_out, x, pooled_weight, argmax, preactivation, scale, out_features,
+                 pool_kernel_size);
 }
 
 }  // namespace fused_pool_gelu

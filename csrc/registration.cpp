@@ -60,6 +60,14 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
       "forward_backward(Tensor? grad_out, Tensor? grad_preactivation, Tensor x, Tensor weight, "
       "Tensor argmax, Tensor preactivation, float scale) -> "
       "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
+  // model_forward's backward: forward_backward(grad_out, None, x, pooled_weight, argmax,
+  // preactivation, scale), then fold_backward of its weight and bias gradients to the unfolded
+  // [out_features, K] and [out_features]; the same bits as those two calls. On CUDA the rows of the
+  // pooled gradient that no arg-max selects are neither written nor read back.
+  m.def(
+      "model_backward(Tensor grad_out, Tensor x, Tensor pooled_weight, Tensor argmax, "
+      "Tensor preactivation, float scale, int out_features, int pool_kernel_size) -> "
+      "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
   // The whole block on the UNFOLDED Linear parameters: forward(x, *fold(weight, bias, k), scale),
   // differentiable through one C++ autograd node (the training path of ModelNew).
   m.def(

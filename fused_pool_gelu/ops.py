@@ -139,6 +139,24 @@ def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, prea
     )
 
 
+@torch.library.register_fake("fused_pool_gelu::model_backward")
+def _model_backward_fake(
+    grad_out, x, pooled_weight, argmax, preactivation, scale, out_features, pool_kernel_size
+):
+    _check_forward_shapes(x, pooled_weight, None)
+    torch._check(
+        out_features // pool_kernel_size == pooled_weight.shape[0],
+        lambda: "fused_pool_gelu.model_backward: pooled_weight must have out_features // "
+        f"pool_kernel_size = {out_features // pool_kernel_size} rows, got shape "
+        f"{list(pooled_weight.shape)}",
+    )
+    return (
+        x.new_empty(x.shape),
+        pooled_weight.new_empty((out_features, pooled_weight.shape[1])),
+        pooled_weight.new_empty((out_features,)),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Autograd. fold and fold_backward are adjoint linear maps, so each is the other's derivative
 # (double backward of the fold comes for free). forward_with_argmax's derivative is the arg-max
@@ -215,6 +233,20 @@ def _forward_backward_backward(ctx, *grads):
 torch.library.register_autograd(
     "fused_pool_gelu::forward_backward",
     _forward_backward_backward,
+    setup_context=lambda ctx, inputs, output: None,
+)
+
+
+def _model_backward_backward(ctx, *grads):
+    raise RuntimeError(
+        "fused_pool_gelu.model_backward: double backward (gradients of gradients of model_forward) "
+        "is not supported"
+    )
+
+
+torch.library.register_autograd(
+    "fused_pool_gelu::model_backward",
+    _model_backward_backward,
     setup_context=lambda ctx, inputs, output: None,
 )
 

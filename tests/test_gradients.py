@@ -391,3 +391,76 @@ def test_model_forward_saved_input_edited_in_place_raises(device, make_inputs):
         x_used.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+# ----------------------------------------------------------------------------------------------
+# model_backward: forward_backward then fold_backward in one op (model_forward's backward). On CUDA
+# it leaves the pooled gradient's rows of empty segments unwritten and never reads them, so every
+# case below has empty segments, and the allocator's blocks are filled with NaN first: a row read
+# by mistake shows as NaN instead of a lucky zero.
+
+# (batch, pooled, in_features, k, out_features, arg-max distribution)
+MODEL_BACKWARD_CASES = [
+    pytest.param((0, 3, 8, 2, 6, "uniform"), id="B=0"),
+    pytest.param((1, 4, 5, 1, 4, "uniform"), id="B=1-K=5"),
+    pytest.param((40, 8, 24, 4, 34, "uniform"), id="B=40-tail"),
+    # Groups that span many tiles of 32 sorted rows; K = 37: the scalar (unvectorized) path.
+    pytest.param((300, 7, 37, 3, 22, "few"), id="B=300-few-K=37"),
+    pytest.param((1000, 50, 64, 2, 100, "one"), id="B=1000-one"),
+    pytest.param((777, 600, 40, 1, 600, "uniform"), id="B=777-N=600"),
+]
+
+
+def _poison_allocator(device, *numels):
+    """Fills fresh blocks of these sizes with NaN and frees them: the caching allocator hands them
+    to the next allocations of the same sizes (best effort; on the CPU a no-op)."""
+    if device != "cpu":
+        blocks = [torch.full((n,), float("nan"), device=device) for n in numels]
+        del blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", MODEL_BACKWARD_CASES)
+def test_model_backward_equals_fold_backward_of_forward_backward_bit_for_bit(case, dtype, device):
+    batch, pooled, in_features, k, out_features, distribution = case
+    generator = torch.Generator().manual_seed(batch * 1000 + pooled)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(device, dtype)
+
+    x, pooled_weight = rand(batch, in_features), rand(pooled, in_features)
+    grad_out, preactivation = rand(batch), rand(batch)
+    if distribution == "uniform":  # over every column but the last
+        argmax = torch.randint(0, pooled - 1, (batch,), generator=generator)
+    elif distribution == "few":
+        argmax = torch.tensor([0, pooled // 2, pooled - 1])[
+            torch.randint(0, 3, (batch,), generator=generator)
+        ]
+    else:
+        argmax = torch.full((batch,), pooled // 2, dtype=torch.int64)
+    argmax = argmax.to(device)
+    assert argmax.unique().numel() < pooled  # some segments are empty
+
+    _poison_allocator(device, batch * in_features, pooled * in_features, pooled)
+    ours = _OPS.model_backward(
+        grad_out, x, pooled_weight, argmax, preactivation, 2.0, out_features, k
+    )
+    grad_x, grad_pooled_weight, grad_pooled_bias = _OPS.forward_backward(
+        grad_out, None, x, pooled_weight, argmax, preactivation, 2.0
+    )
+    expected = (grad_x, *_OPS.fold_backward(grad_pooled_weight, grad_pooled_bias, out_features, k))
+    shapes = [(batch, in_features), (out_features, in_features), (out_features,)]
+    for got, want, shape in zip(ours, expected, shapes):
+        assert tuple(got.shape) == shape and got.dtype == dtype and got.device == want.device
+        assert torch.equal(_bits(got), _bits(want))
+    assert not ours[1].isnan().any() and not ours[2].isnan().any()
+
+
+def test_model_backward_double_backward_raises_a_clear_error(device):
+    x, pooled_weight = torch.randn(5, 8, device=device), torch.randn(3, 8, device=device)
+    grad_out = torch.randn(5, device=device, requires_grad=True)
+    argmax = torch.tensor([0, 2, 2, 1, 0], device=device)
+    preactivation = torch.randn(5, device=device)
+    grads = _OPS.model_backward(grad_out, x, pooled_weight, argmax, preactivation, 2.0, 7, 2)
+    with pytest.raises(RuntimeError, match="model_backward: double backward .* is not supported"):
+        grads[1].sum().backward()

@@ -1,5 +1,5 @@
-"""The ops (fold, fold_backward, forward, forward_with_argmax, forward_backward, model_forward) as
-specifications.
+"""The ops (fold, fold_backward, forward, forward_with_argmax, forward_backward, model_forward,
+model_backward) as specifications.
 
 Each op is compared with plain PyTorch float64 formulas (conftest ``ref``), across the shapes
 that break kernels: tiny K, O % k != 0, k = 1, k = O, empty and single-row batches,
@@ -488,6 +488,17 @@ def test_opcheck(case, requires_grad, device):
     opcheck(op, args)
 
 
+@pytest.mark.parametrize("out_features", [9, 10], ids=["exact", "tail"])
+def test_opcheck_model_backward(out_features, device):
+    # model_backward's own autograd raises by design (no double backward): requires_grad off.
+    _, (x, pooled_weight, argmax, preactivation) = _opcheck_cases(device, False)
+    grad_out = torch.randn_like(preactivation)
+    opcheck(
+        _OPS.model_backward.default,
+        (grad_out, x, pooled_weight, argmax, preactivation, 2.0, out_features, 3),
+    )
+
+
 @pytest.mark.parametrize("grads", ["out", "preactivation", "both"])
 def test_opcheck_forward_backward(grads, device):
     # forward_backward's own autograd raises by design (no double backward): requires_grad off.
@@ -524,6 +535,20 @@ def _bad_input_cases():
         return lambda: _OPS.forward_backward(
             args["grad_out"], args["grad_pre"], args["x"], args["weight"], args["argmax"],
             args["pre"], 2.0,
+        )
+
+    def model_backward(device, out_features=7, k=2, **over):
+        args = dict(
+            grad_out=t(4, device=device),
+            x=t(4, 6, device=device),
+            weight=t(3, 6, device=device),
+            argmax=torch.tensor([0, 2, 1, 0], device=device),
+            pre=t(4, device=device),
+        )
+        args.update(over)
+        return lambda: _OPS.model_backward(
+            args["grad_out"], args["x"], args["weight"], args["argmax"], args["pre"], 2.0,
+            out_features, k,
         )
 
     return {
@@ -709,6 +734,34 @@ def _bad_input_cases():
         "forward_backward_grad_preactivation_dtype": (
             lambda d: fwb(d, grad_pre=t(4, dtype=torch.float64, device=d))(),
             r"forward_backward: grad_preactivation must have the same dtype as x",
+        ),
+        # model_backward
+        "model_backward_out_features": (
+            lambda d: model_backward(d, out_features=13, k=3)(),
+            r"model_backward: pooled_weight must have out_features // pool_kernel_size = 4 rows, "
+            r"got shape \[3, 6\]",
+        ),
+        "model_backward_out_features_negative": (
+            lambda d: model_backward(d, out_features=-1, k=2)(),
+            r"model_backward: out_features must be >= 0, got -1",
+        ),
+        "model_backward_k_zero": (
+            lambda d: model_backward(d, k=0)(),
+            r"model_backward: pool_kernel_size must be >= 1, got 0",
+        ),
+        "model_backward_argmax_shape": (
+            lambda d: model_backward(d, argmax=torch.tensor([0, 1, 1], device=d))(),
+            r"model_backward: argmax must be 1-D \[batch\] = \[4\], got shape \[3\]",
+        ),
+        "model_backward_argmax_dtype": (
+            lambda d: model_backward(
+                d, argmax=torch.tensor([0, 1, 1, 0], dtype=torch.int32, device=d)
+            )(),
+            r"model_backward: argmax must be int64, got Int",
+        ),
+        "model_backward_grad_out_shape": (
+            lambda d: model_backward(d, grad_out=t(5, device=d))(),
+            r"model_backward: grad_out must be 1-D \[batch\] = \[4\], got shape \[5\]",
         ),
     }
 
