@@ -2,7 +2,7 @@
 
 Shapes are small (the tools slow kernels down 10-100x) but odd, so that every tail path, the
 small-batch (row-parallel and split-K GEMV) and the tensor-core forward paths, the misaligned slow
-path and the backward all run.
+path and the backward (its ops on their own too) all run.
 Every forward path runs: the default (on an sm_90a build on Hopper the certified path from 769
 rows, the 3xTF32 wgmma GEMM below), each of those two forced for every batch
 (FUSED_POOL_GELU_CERTIFIED=1 / 0), and the portable mma.sync GEMM
@@ -47,5 +47,16 @@ for switches, (batch, k_in, o, k) in [(p, c) for p in paths for c in cases]:
         with torch.no_grad():
             model.to(dtype)(x.detach().to(dtype))
         model.float()
+# The backward ops on their own: forward_backward (empty groups zeroed) and model_backward, over more
+# rows than the grouping's one-tile path takes (4096) and over fewer, some rows with an arg-max out
+# of range (in no group).
+ops = torch.ops.fused_pool_gelu
+for batch in (4500, 1000):
+    x = torch.rand(batch, 40, device=device)
+    pooled_weight = torch.rand(24, 40, device=device)
+    argmax = torch.randint(-1, 25, (batch,), device=device)
+    grad_out, preactivation = torch.rand(batch, device=device), torch.rand(batch, device=device)
+    ops.forward_backward(grad_out, None, x, pooled_weight, argmax, preactivation, 2.0)
+    ops.model_backward(grad_out, x, pooled_weight, argmax, preactivation, 2.0, 99, 4)
 torch.cuda.synchronize()
 print("sanitize case: ok")

@@ -183,23 +183,34 @@ struct MaxPosition {
 
 // Groups the rows by arg-max: for every n in [0, pooled), order[segment_starts[n] ..
 // segment_starts[n + 1]) holds the rows b with argmax[b] == n in increasing b (stable); rows whose
-// arg-max is out of [0, pooled) are in no segment (and order holds segment_starts[pooled] rows).
-// One block (the order within a segment is kept by barriers alone), three phases:
+// arg-max is out of [0, pooled) are in no segment and come last, at the sorted positions
+// segment_starts[pooled] .. batch - 1. For every sorted position p < batch it also writes the
+// row's segment (sorted_segment[p], -1 for a row in no segment) and dz (sorted_dz[p], 0 there), so
+// that the segment reduction stages a tile of sorted rows with one round trip to memory.
+// One block (the order within a segment is kept by barriers alone), key_bits = the bits of
+// `pooled`, rows sorted by a stable block radix sort on their arg-max (key `pooled` for rows in no
+// segment, sorted last):
+//   batch <= kGroupTileRows (every benchmark batch): one tile, whose sorted order is the grouping;
+//     segment_starts[n] is the first sorted position whose key is >= n (a binary search of the
+//     sorted keys in shared memory). No global memory round trip but the loads of argmax and dz.
+//   larger batches, three phases:
 //   1. histogram: cursor[n] = the number of rows with arg-max n (integer atomics: a count does not
 //      depend on the order of its increments);
 //   2. exclusive scan of the counts: segment_starts, and cursor[n] = segment_starts[n];
-//   3. tiles of kGroupTileRows consecutive rows, in increasing b: a stable block radix sort of the
-//      tile by arg-max (key `pooled` for rows in no segment, sorted last), then each row goes to
-//      cursor[n] + its rank among the tile's rows with arg-max n, and the last row of each run of n
-//      advances cursor[n]. The cursors carry each segment's next position from tile to tile, so
-//      positions within a segment increase with b; one block keeps that chain in order with
-//      barriers alone. key_bits: the bits of `pooled`.
-// Runs in one block of blockDim.x == kGroupThreads.
-__device__ __forceinline__ void group_rows(const int64_t* __restrict__ argmax,
+//   3. tiles of kGroupTileRows consecutive rows, in increasing b: the tile sorted by arg-max, then
+//      each row goes to cursor[n] + its rank among the tile's rows with arg-max n, and the last row
+//      of each run of n advances cursor[n]. The cursors carry each segment's next position from
+//      tile to tile, so positions within a segment increase with b; rows in no segment take the
+//      positions from segment_starts[pooled] on, in increasing b, through one more cursor.
+template <typename scalar_t>
+__device__ __forceinline__ void group_rows(const DzInputs<scalar_t>& dz_in,
+                                           const int64_t* __restrict__ argmax,
                                            int64_t argmax_stride, int64_t batch, int64_t pooled,
                                            int key_bits, int64_t* __restrict__ segment_starts,
                                            int64_t* __restrict__ cursor,
-                                           int64_t* __restrict__ order) {
+                                           int64_t* __restrict__ order,
+                                           int64_t* __restrict__ sorted_segment,
+                                           float* __restrict__ sorted_dz) {
   using TileSort = cub::BlockRadixSort<uint32_t, kGroupThreads, kGroupItemsPerThread, uint32_t>;
   using RunFlags = cub::BlockDiscontinuity<uint32_t, kGroupThreads>;
   using PositionScan = cub::BlockScan<int, kGroupThreads>;
@@ -209,10 +220,56 @@ __device__ __forceinline__ void group_rows(const int64_t* __restrict__ argmax,
     typename RunFlags::TempStorage flags;
     typename PositionScan::TempStorage positions;
     typename CountScan::TempStorage counts;
+    uint32_t sorted_keys[kGroupTileRows];  // one-tile path, after the sort
   } temp;
   const int first_item = static_cast<int>(threadIdx.x) * kGroupItemsPerThread;
+  const uint32_t no_segment = static_cast<uint32_t>(pooled);
 
-  for (int64_t n = threadIdx.x; n < pooled; n += kGroupThreads) cursor[n] = 0;
+  // Sorted position p of row b (segment n, or no_segment): everything a position holds.
+  auto write_position = [&](int64_t p, int64_t b, uint32_t n) {
+    const bool in_segment = n != no_segment;
+    order[p] = b;
+    sorted_segment[p] = in_segment ? static_cast<int64_t>(n) : -1;
+    sorted_dz[p] = in_segment ? row_dz(dz_in, b) : 0.0f;
+  };
+  // The tile of rows tile .. tile + kGroupTileRows - 1, sorted by key (blocked: item j of thread t
+  // is sorted position t * kGroupItemsPerThread + j of the tile); rows = tile-local row indices.
+  auto sort_tile = [&](int64_t tile, uint32_t (&keys)[kGroupItemsPerThread],
+                       uint32_t (&rows)[kGroupItemsPerThread]) {
+#pragma unroll
+    for (int j = 0; j < kGroupItemsPerThread; ++j) {
+      const int64_t b = tile + first_item + j;
+      const int64_t n = b < batch ? argmax[b * argmax_stride] : -1;
+      keys[j] = n >= 0 && n < pooled ? static_cast<uint32_t>(n) : no_segment;
+      rows[j] = static_cast<uint32_t>(first_item + j);
+    }
+    TileSort(temp.sort).Sort(keys, rows, 0, key_bits);
+    __syncthreads();  // temp is reused
+  };
+
+  uint32_t keys[kGroupItemsPerThread];
+  uint32_t rows[kGroupItemsPerThread];
+  if (batch <= kGroupTileRows) {
+    sort_tile(0, keys, rows);
+#pragma unroll
+    for (int j = 0; j < kGroupItemsPerThread; ++j) {
+      temp.sorted_keys[first_item + j] = keys[j];
+      if (first_item + j < batch) write_position(first_item + j, rows[j], keys[j]);
+    }
+    __syncthreads();
+    for (int64_t n = threadIdx.x; n <= pooled; n += kGroupThreads) {
+      int lo = 0;  // the first sorted position whose key is >= n, in [0, kGroupTileRows]
+      int hi = kGroupTileRows;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (temp.sorted_keys[mid] < n) lo = mid + 1; else hi = mid;
+      }
+      segment_starts[n] = lo;
+    }
+    return;
+  }
+
+  for (int64_t n = threadIdx.x; n <= pooled; n += kGroupThreads) cursor[n] = 0;
   __syncthreads();
   for (int64_t b = threadIdx.x; b < batch; b += kGroupThreads) {
     const int64_t n = argmax[b * argmax_stride];
@@ -241,22 +298,14 @@ __device__ __forceinline__ void group_rows(const int64_t* __restrict__ argmax,
     rows_before += chunk_rows;
     __syncthreads();  // temp.counts is reused by the next chunk
   }
-  if (threadIdx.x == 0) segment_starts[pooled] = rows_before;
+  if (threadIdx.x == 0) {
+    segment_starts[pooled] = rows_before;
+    cursor[pooled] = rows_before;  // the rows in no segment follow the segments
+  }
   __syncthreads();  // the cursors are set
 
-  const uint32_t no_segment = static_cast<uint32_t>(pooled);
   for (int64_t tile = 0; tile < batch; tile += kGroupTileRows) {
-    uint32_t keys[kGroupItemsPerThread];
-    uint32_t rows[kGroupItemsPerThread];  // tile-local row index
-#pragma unroll
-    for (int j = 0; j < kGroupItemsPerThread; ++j) {
-      const int64_t b = tile + first_item + j;
-      const int64_t n = b < batch ? argmax[b * argmax_stride] : -1;
-      keys[j] = n >= 0 && n < pooled ? static_cast<uint32_t>(n) : no_segment;
-      rows[j] = static_cast<uint32_t>(first_item + j);
-    }
-    TileSort(temp.sort).Sort(keys, rows, 0, key_bits);  // blocked: item j of thread t is t*IPT+j
-    __syncthreads();
+    sort_tile(tile, keys, rows);
     int heads[kGroupItemsPerThread];
     int tails[kGroupItemsPerThread];
     RunFlags(temp.flags).FlagHeadsAndTails(heads, tails, keys, KeysDiffer());
@@ -267,14 +316,16 @@ __device__ __forceinline__ void group_rows(const int64_t* __restrict__ argmax,
     PositionScan(temp.positions).InclusiveScan(run_start, run_start, MaxPosition());
 #pragma unroll
     for (int j = 0; j < kGroupItemsPerThread; ++j) {
-      if (keys[j] != no_segment) {
-        order[cursor[keys[j]] + (first_item + j - run_start[j])] = tile + rows[j];
+      if (tile + rows[j] < batch) {
+        write_position(cursor[keys[j]] + (first_item + j - run_start[j]), tile + rows[j], keys[j]);
       }
     }
     __syncthreads();  // every read of a cursor in this tile comes before its update
 #pragma unroll
     for (int j = 0; j < kGroupItemsPerThread; ++j) {
-      if (tails[j] && keys[j] != no_segment) cursor[keys[j]] += first_item + j - run_start[j] + 1;
+      if (tails[j] && tile + rows[j] < batch) {
+        cursor[keys[j]] += first_item + j - run_start[j] + 1;
+      }
     }
     __syncthreads();  // the updates come before the next tile's reads; temp is reused
   }
@@ -294,11 +345,14 @@ __global__ void __launch_bounds__(kGroupThreads, 2)
                                  int64_t argmax_stride, int64_t batch, int64_t pooled,
                                  int key_bits, int64_t* __restrict__ segment_starts,
                                  int64_t* __restrict__ cursor, int64_t* __restrict__ order,
+                                 int64_t* __restrict__ sorted_segment,
+                                 float* __restrict__ sorted_dz,
                                  const scalar_t* __restrict__ weight, int64_t w_stride0,
                                  int64_t w_stride1, scalar_t* __restrict__ grad_x,
                                  int64_t in_features, int64_t warps_per_row) {
   if (blockIdx.x == 0) {
-    group_rows(argmax, argmax_stride, batch, pooled, key_bits, segment_starts, cursor, order);
+    group_rows<scalar_t>(dz_in, argmax, argmax_stride, batch, pooled, key_bits, segment_starts,
+                         cursor, order, sorted_segment, sorted_dz);
   } else {
     gather_grad_x<scalar_t, VEC>(static_cast<int64_t>(blockIdx.x) - 1, dz_in, argmax,
                                  argmax_stride, weight, w_stride0, w_stride1, grad_x, batch,
@@ -314,17 +368,19 @@ __global__ void __launch_bounds__(kGroupThreads, 2)
 //   pieces[tile][0]        when the segment has rows before the tile (it is the tile's first),
 //   pieces[tile][1]        when it has rows after the tile but none before (the tile's last),
 //   grad_weight[n] itself  when all of its rows are in this tile: the piece is the whole sum.
-// grad_bias the same way from dz alone (thread 0 of chunk 0, bias_pieces). Blocks past the last
-// sorted row (rows whose arg-max is out of range are in no segment) have nothing to do.
+// grad_bias the same way from dz alone (thread 0 of chunk 0, bias_pieces). Rows in no segment (an
+// arg-max out of range) are sorted last, so the tile's rows are its first `rows` positions and a
+// block past them has nothing to do. The tile comes from group_rows' per-position arrays (row,
+// segment, dz) in one round trip, then its x values in a second.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSegmentThreads)
-    segment_tiles_kernel(DzInputs<scalar_t> dz_in, const scalar_t* __restrict__ x,
-                         int64_t x_stride0, int64_t x_stride1, const int64_t* __restrict__ argmax,
-                         int64_t argmax_stride, const int64_t* __restrict__ order,
-                         const int64_t* __restrict__ segment_starts,
-                         scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
-                         float* __restrict__ pieces, float* __restrict__ bias_pieces,
-                         int64_t pooled, int64_t in_features, int64_t chunks) {
+    segment_tiles_kernel(const scalar_t* __restrict__ x, int64_t x_stride0, int64_t x_stride1,
+                         const int64_t* __restrict__ order,
+                         const int64_t* __restrict__ sorted_segment,
+                         const float* __restrict__ sorted_dz, scalar_t* __restrict__ grad_weight,
+                         scalar_t* __restrict__ grad_bias, float* __restrict__ pieces,
+                         float* __restrict__ bias_pieces, int64_t batch, int64_t in_features,
+                         int64_t chunks) {
   __shared__ int64_t row_offset[kSegmentTileRows];  // b * x_stride0 of the tile's rows
   __shared__ float row_dz_tile[kSegmentTileRows];
   // The segments of the row before the tile, of its rows, and of the row after it (-1: none).
@@ -332,20 +388,18 @@ __global__ void __launch_bounds__(kSegmentThreads)
 
   const int64_t tile = blockIdx.x / chunks;
   const int64_t chunk = blockIdx.x - tile * chunks;
-  const int64_t sorted_rows = segment_starts[pooled];
   const int64_t tile_start = tile * kSegmentTileRows;
-  if (tile_start >= sorted_rows) return;  // block-uniform
-  const int rows = static_cast<int>(std::min<int64_t>(sorted_rows - tile_start, kSegmentTileRows));
   const int t = static_cast<int>(threadIdx.x);
-  if (t < rows + 2) {
+  bool in_tile = false;  // thread t stages a row of the tile that is in a segment
+  if (t < kSegmentTileRows + 2) {
     const int64_t position = tile_start - 1 + t;
     int64_t segment = -1;
-    if (position >= 0 && position < sorted_rows) {
-      const int64_t b = order[position];  // a row index in [0, batch) with argmax[b] in [0, pooled)
-      segment = argmax[b * argmax_stride];
-      if (t >= 1 && t <= rows) {
-        row_offset[t - 1] = b * x_stride0;
-        row_dz_tile[t - 1] = row_dz(dz_in, b);
+    if (position >= 0 && position < batch) {
+      segment = sorted_segment[position];
+      if (t >= 1 && t <= kSegmentTileRows) {
+        row_offset[t - 1] = order[position] * x_stride0;
+        row_dz_tile[t - 1] = sorted_dz[position];
+        in_tile = segment >= 0;
       }
     }
     row_segment[t] = segment;
@@ -354,7 +408,8 @@ __global__ void __launch_bounds__(kSegmentThreads)
   const bool has_col = col < in_features;
   const bool writes_bias = chunk == 0 && t == 0;
   const scalar_t* x_col = x + col * x_stride1;  // dereferenced only when has_col
-  __syncthreads();  // the tile is staged
+  const int rows = __syncthreads_count(in_tile);  // and the tile is staged
+  if (rows == 0) return;  // block-uniform
 
   // All loads before the first add, so that they overlap; the full tile (the common case) has no
   // per-load predicate, so ptxas issues them back to back.
@@ -498,11 +553,19 @@ DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
   return in;
 }
 
-// The grouping's arrays are described at their allocation in forward_backward_cuda.
+// The grouping's arrays (Grouping) are described at their allocation in pooled_gradients.
+struct Grouping {
+  int64_t* segment_starts;
+  int64_t* cursor;
+  int64_t* order;
+  int64_t* sorted_segment;
+  float* sorted_dz;
+};
+
 template <typename scalar_t, int VEC>
 void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
-                                  int key_bits, int64_t* segment_starts, int64_t* cursor,
-                                  int64_t* order, const at::Tensor& weight, at::Tensor& grad_x) {
+                                  int key_bits, const Grouping& grouping, const at::Tensor& weight,
+                                  at::Tensor& grad_x) {
   const int64_t batch = grad_x.size(0);
   const int64_t in_features = grad_x.size(1);
   const int64_t warps_per_row =
@@ -513,7 +576,8 @@ void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Ten
       <<<grid_blocks(gather_threads + kGatherThreads, kGatherThreads), kGroupThreads, 0,
          c10::cuda::getCurrentCUDAStream()>>>(
           dz_in, argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0),
-          key_bits, segment_starts, cursor, order, weight.const_data_ptr<scalar_t>(),
+          key_bits, grouping.segment_starts, grouping.cursor, grouping.order,
+          grouping.sorted_segment, grouping.sorted_dz, weight.const_data_ptr<scalar_t>(),
           weight.stride(0), weight.stride(1), grad_x.mutable_data_ptr<scalar_t>(), in_features,
           warps_per_row);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -556,16 +620,22 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   at::Tensor& grad_weight = result.grad_weight = at::empty({pooled, in_features}, weight.options());
   at::Tensor& grad_bias = result.grad_bias = at::empty({pooled}, weight.options());
 
-  // Rows grouped by arg-max, increasing b within a group: segment n is order[segment_starts[n] ..
-  // segment_starts[n + 1]). One allocation holds segment_starts [pooled + 1], the cursors [pooled]
-  // and order [batch].
+  // Rows grouped by arg-max, increasing b within a group (group_rows): segment n is
+  // order[segment_starts[n] .. segment_starts[n + 1]). One allocation holds segment_starts
+  // [pooled + 1], the cursors [pooled + 1], order [batch] and sorted_segment [batch]; sorted_dz
+  // [batch] is a float tensor of its own.
   TORCH_CHECK(pooled < int64_t{0xffffffff}, "fused_pool_gelu.", op,
               ": the pooled weight must have fewer than 2^32 - 1 rows on cuda, got shape ",
               weight.sizes());
-  result.grouping = at::empty({2 * pooled + 1 + batch}, argmax.options());
-  int64_t* segment_starts = result.grouping.mutable_data_ptr<int64_t>();
-  int64_t* cursor = segment_starts + pooled + 1;
-  int64_t* order = cursor + pooled;
+  result.grouping = at::empty({2 * (pooled + 1) + 2 * batch}, argmax.options());
+  const at::Tensor sorted_dz = at::empty({batch}, x.options().dtype(at::kFloat));
+  Grouping grouping;
+  grouping.segment_starts = result.grouping.mutable_data_ptr<int64_t>();
+  grouping.cursor = grouping.segment_starts + pooled + 1;
+  grouping.order = grouping.cursor + pooled + 1;
+  grouping.sorted_segment = grouping.order + batch;
+  grouping.sorted_dz = sorted_dz.mutable_data_ptr<float>();
+  const int64_t* segment_starts = grouping.segment_starts;
   if (!zero_empty_segments) result.segment_starts = segment_starts;
   int key_bits = 0;  // bits of `pooled`, the largest key
   while (key_bits < 32 && (pooled >> key_bits) != 0) ++key_bits;
@@ -583,11 +653,10 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
 
     constexpr int kVec = vector_width<scalar_t>();
     if (gather_is_vectorizable(weight, grad_x, kVec)) {
-      launch_group_rows_and_grad_x<scalar_t, kVec>(dz_in, argmax, key_bits, segment_starts, cursor,
-                                                   order, weight, grad_x);
+      launch_group_rows_and_grad_x<scalar_t, kVec>(dz_in, argmax, key_bits, grouping, weight,
+                                                   grad_x);
     } else {
-      launch_group_rows_and_grad_x<scalar_t, 1>(dz_in, argmax, key_bits, segment_starts, cursor,
-                                                order, weight, grad_x);
+      launch_group_rows_and_grad_x<scalar_t, 1>(dz_in, argmax, key_bits, grouping, weight, grad_x);
     }
 
     // At least one chunk, so that in_features == 0 still writes grad_bias.
@@ -596,10 +665,10 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     segment_tiles_kernel<scalar_t>
         <<<grid_blocks(tiles * chunks, 1), kSegmentThreads, 0,
            c10::cuda::getCurrentCUDAStream()>>>(
-            dz_in, x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1),
-            argmax.const_data_ptr<int64_t>(), argmax.stride(0), order, segment_starts,
-            grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
-            pieces, bias_pieces, pooled, in_features, chunks);
+            x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1), grouping.order,
+            grouping.sorted_segment, grouping.sorted_dz, grad_weight.mutable_data_ptr<scalar_t>(),
+            grad_bias.mutable_data_ptr<scalar_t>(), pieces, bias_pieces, batch, in_features,
+            chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     segment_pieces_kernel<scalar_t>
         <<<grid_blocks(ceil_div<int64_t>(pooled, kPieceSegments) * chunks, 1), kSegmentThreads, 0,
