@@ -65,13 +65,10 @@ constexpr int kGatherVectorsPerLane = 4;
 constexpr int kSegmentThreads = 256;
 static_assert(kSegmentTileRows + 2 <= kSegmentThreads, "one thread stages each row of a tile");
 
-// Segment reduction, second kernel (segment_pieces_kernel): each block covers kPieceSegments
-// segments over kSegmentThreads columns (512 blocks at the default shape, one wave); it zeroes the
-// empty ones and adds the pieces of those that span tiles, kPieceBatch piece loads in flight at a
-// time (a segment of all 4096 rows has 128 pieces).
-constexpr int kPieceSegments = 32;
+// Segment reduction, second kernel (segment_pieces_kernel): adds the pieces of each segment that
+// spans tiles, kPieceBatch piece loads in flight at a time (a segment of all 4096 rows has 128
+// pieces).
 constexpr int kPieceBatch = 16;
-static_assert(kPieceSegments + 1 <= kSegmentThreads, "one thread stages each segment start");
 
 // Grouping rows by arg-max (group_rows): one block of kGroupThreads threads sorts tiles of
 // kGroupTileRows rows. 512 x 8: the kernel's shared memory (cub's block radix sort of 4096 32-bit
@@ -80,6 +77,10 @@ static_assert(kPieceSegments + 1 <= kSegmentThreads, "one thread stages each seg
 constexpr int kGroupThreads = 512;
 constexpr int kGroupItemsPerThread = 8;
 constexpr int kGroupTileRows = kGroupThreads * kGroupItemsPerThread;
+// Batches up to kGroupThreads * kGroupSmallItemsPerThread rows are sorted as a tile of that size:
+// the sort's cost follows the tile, not the batch (a 4096-row tile for B = 128 took the grouping
+// ~10 us, benchmarks/NOTES.md).
+constexpr int kGroupSmallItemsPerThread = 2;
 
 // grad_x runs in the grouping's launch (group_rows_and_grad_x_kernel), so at its block size: 16
 // warps, each owning one row b and a run of kWarpSize * kGatherVectorsPerLane 16-byte vectors.
@@ -181,6 +182,101 @@ struct MaxPosition {
   __device__ int operator()(int a, int b) const { return a > b ? a : b; }
 };
 
+template <int kItems>
+using TileSort = cub::BlockRadixSort<uint32_t, kGroupThreads, kItems, uint32_t>;
+using RunFlags = cub::BlockDiscontinuity<uint32_t, kGroupThreads>;
+using PositionScan = cub::BlockScan<int, kGroupThreads>;
+using CountScan = cub::BlockScan<int64_t, kGroupThreads>;
+
+// group_rows' shared memory: one phase at a time.
+union GroupTemp {
+  typename TileSort<kGroupItemsPerThread>::TempStorage sort;
+  typename TileSort<kGroupSmallItemsPerThread>::TempStorage small_sort;
+  typename RunFlags::TempStorage flags;
+  typename PositionScan::TempStorage positions;
+  typename CountScan::TempStorage counts;
+  uint32_t sorted_keys[kGroupTileRows];  // one-tile path, after the sort
+};
+
+template <int kItems>
+__device__ __forceinline__ auto& sort_storage(GroupTemp& temp) {
+  if constexpr (kItems == kGroupItemsPerThread) {
+    return temp.sort;
+  } else {
+    static_assert(kItems == kGroupSmallItemsPerThread, "one storage per sort size");
+    return temp.small_sort;
+  }
+}
+
+// group_rows' arguments (see there).
+template <typename scalar_t>
+struct GroupRowsArgs {
+  DzInputs<scalar_t> dz_in;
+  const int64_t* argmax;
+  int64_t argmax_stride;
+  int64_t batch;
+  int64_t pooled;
+  int key_bits;
+  int64_t* segment_starts;
+  int64_t* cursor;
+  int64_t* order;
+  int64_t* sorted_segment;
+  float* sorted_dz;
+};
+
+// Sorted position p of row b (segment n, or `pooled` for none): everything a position holds.
+template <typename scalar_t>
+__device__ __forceinline__ void write_position(const GroupRowsArgs<scalar_t>& a, int64_t p,
+                                               int64_t b, uint32_t n) {
+  const bool in_segment = n != static_cast<uint32_t>(a.pooled);
+  a.order[p] = b;
+  a.sorted_segment[p] = in_segment ? static_cast<int64_t>(n) : -1;
+  a.sorted_dz[p] = in_segment ? row_dz(a.dz_in, b) : 0.0f;
+}
+
+// The tile of rows tile .. tile + kGroupThreads * kItems - 1, sorted by key (blocked: item j of
+// thread t is sorted position t * kItems + j of the tile); rows = tile-local row indices.
+template <int kItems, typename scalar_t>
+__device__ __forceinline__ void sort_tile(const GroupRowsArgs<scalar_t>& a, GroupTemp& temp,
+                                          int64_t tile, uint32_t (&keys)[kItems],
+                                          uint32_t (&rows)[kItems]) {
+  const int first_item = static_cast<int>(threadIdx.x) * kItems;
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    const int64_t b = tile + first_item + j;
+    const int64_t n = b < a.batch ? a.argmax[b * a.argmax_stride] : -1;
+    keys[j] = n >= 0 && n < a.pooled ? static_cast<uint32_t>(n) : static_cast<uint32_t>(a.pooled);
+    rows[j] = static_cast<uint32_t>(first_item + j);
+  }
+  TileSort<kItems>(sort_storage<kItems>(temp)).Sort(keys, rows, 0, a.key_bits);
+  __syncthreads();  // temp is reused
+}
+
+// batch <= kGroupThreads * kItems: the sorted tile is the grouping.
+template <int kItems, typename scalar_t>
+__device__ __forceinline__ void group_one_tile(const GroupRowsArgs<scalar_t>& a, GroupTemp& temp) {
+  constexpr int kTileRows = kGroupThreads * kItems;
+  const int first_item = static_cast<int>(threadIdx.x) * kItems;
+  uint32_t keys[kItems];
+  uint32_t rows[kItems];
+  sort_tile<kItems>(a, temp, 0, keys, rows);
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) {
+    temp.sorted_keys[first_item + j] = keys[j];
+    if (first_item + j < a.batch) write_position(a, first_item + j, rows[j], keys[j]);
+  }
+  __syncthreads();
+  for (int64_t n = threadIdx.x; n <= a.pooled; n += kGroupThreads) {
+    int lo = 0;  // the first sorted position whose key is >= n, in [0, kTileRows]
+    int hi = kTileRows;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (temp.sorted_keys[mid] < n) lo = mid + 1; else hi = mid;
+    }
+    a.segment_starts[n] = lo;
+  }
+}
+
 // Groups the rows by arg-max: for every n in [0, pooled), order[segment_starts[n] ..
 // segment_starts[n + 1]) holds the rows b with argmax[b] == n in increasing b (stable); rows whose
 // arg-max is out of [0, pooled) are in no segment and come last, at the sorted positions
@@ -190,9 +286,10 @@ struct MaxPosition {
 // One block (the order within a segment is kept by barriers alone), key_bits = the bits of
 // `pooled`, rows sorted by a stable block radix sort on their arg-max (key `pooled` for rows in no
 // segment, sorted last):
-//   batch <= kGroupTileRows (every benchmark batch): one tile, whose sorted order is the grouping;
-//     segment_starts[n] is the first sorted position whose key is >= n (a binary search of the
-//     sorted keys in shared memory). No global memory round trip but the loads of argmax and dz.
+//   batch <= kGroupTileRows (every benchmark batch): one tile (of 1024 rows up to 1024, else
+//     4096), whose sorted order is the grouping; segment_starts[n] is the first sorted position
+//     whose key is >= n (a binary search of the sorted keys in shared memory). No global memory
+//     round trip but the loads of argmax and dz.
 //   larger batches, three phases:
 //   1. histogram: cursor[n] = the number of rows with arg-max n (integer atomics: a count does not
 //      depend on the order of its increments);
@@ -203,76 +300,25 @@ struct MaxPosition {
 //      tile to tile, so positions within a segment increase with b; rows in no segment take the
 //      positions from segment_starts[pooled] on, in increasing b, through one more cursor.
 template <typename scalar_t>
-__device__ __forceinline__ void group_rows(const DzInputs<scalar_t>& dz_in,
-                                           const int64_t* __restrict__ argmax,
-                                           int64_t argmax_stride, int64_t batch, int64_t pooled,
-                                           int key_bits, int64_t* __restrict__ segment_starts,
-                                           int64_t* __restrict__ cursor,
-                                           int64_t* __restrict__ order,
-                                           int64_t* __restrict__ sorted_segment,
-                                           float* __restrict__ sorted_dz) {
-  using TileSort = cub::BlockRadixSort<uint32_t, kGroupThreads, kGroupItemsPerThread, uint32_t>;
-  using RunFlags = cub::BlockDiscontinuity<uint32_t, kGroupThreads>;
-  using PositionScan = cub::BlockScan<int, kGroupThreads>;
-  using CountScan = cub::BlockScan<int64_t, kGroupThreads>;
-  __shared__ union {
-    typename TileSort::TempStorage sort;
-    typename RunFlags::TempStorage flags;
-    typename PositionScan::TempStorage positions;
-    typename CountScan::TempStorage counts;
-    uint32_t sorted_keys[kGroupTileRows];  // one-tile path, after the sort
-  } temp;
-  const int first_item = static_cast<int>(threadIdx.x) * kGroupItemsPerThread;
-  const uint32_t no_segment = static_cast<uint32_t>(pooled);
-
-  // Sorted position p of row b (segment n, or no_segment): everything a position holds.
-  auto write_position = [&](int64_t p, int64_t b, uint32_t n) {
-    const bool in_segment = n != no_segment;
-    order[p] = b;
-    sorted_segment[p] = in_segment ? static_cast<int64_t>(n) : -1;
-    sorted_dz[p] = in_segment ? row_dz(dz_in, b) : 0.0f;
-  };
-  // The tile of rows tile .. tile + kGroupTileRows - 1, sorted by key (blocked: item j of thread t
-  // is sorted position t * kGroupItemsPerThread + j of the tile); rows = tile-local row indices.
-  auto sort_tile = [&](int64_t tile, uint32_t (&keys)[kGroupItemsPerThread],
-                       uint32_t (&rows)[kGroupItemsPerThread]) {
-#pragma unroll
-    for (int j = 0; j < kGroupItemsPerThread; ++j) {
-      const int64_t b = tile + first_item + j;
-      const int64_t n = b < batch ? argmax[b * argmax_stride] : -1;
-      keys[j] = n >= 0 && n < pooled ? static_cast<uint32_t>(n) : no_segment;
-      rows[j] = static_cast<uint32_t>(first_item + j);
-    }
-    TileSort(temp.sort).Sort(keys, rows, 0, key_bits);
-    __syncthreads();  // temp is reused
-  };
-
-  uint32_t keys[kGroupItemsPerThread];
-  uint32_t rows[kGroupItemsPerThread];
-  if (batch <= kGroupTileRows) {
-    sort_tile(0, keys, rows);
-#pragma unroll
-    for (int j = 0; j < kGroupItemsPerThread; ++j) {
-      temp.sorted_keys[first_item + j] = keys[j];
-      if (first_item + j < batch) write_position(first_item + j, rows[j], keys[j]);
-    }
-    __syncthreads();
-    for (int64_t n = threadIdx.x; n <= pooled; n += kGroupThreads) {
-      int lo = 0;  // the first sorted position whose key is >= n, in [0, kGroupTileRows]
-      int hi = kGroupTileRows;
-      while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (temp.sorted_keys[mid] < n) lo = mid + 1; else hi = mid;
-      }
-      segment_starts[n] = lo;
-    }
+__device__ __forceinline__ void group_rows(const GroupRowsArgs<scalar_t>& a) {
+  __shared__ GroupTemp temp;
+  if (a.batch <= kGroupThreads * kGroupSmallItemsPerThread) {
+    group_one_tile<kGroupSmallItemsPerThread>(a, temp);
     return;
   }
+  if (a.batch <= kGroupTileRows) {
+    group_one_tile<kGroupItemsPerThread>(a, temp);
+    return;
+  }
+  const int64_t batch = a.batch;
+  const int64_t pooled = a.pooled;
+  int64_t* cursor = a.cursor;
+  const int first_item = static_cast<int>(threadIdx.x) * kGroupItemsPerThread;
 
   for (int64_t n = threadIdx.x; n <= pooled; n += kGroupThreads) cursor[n] = 0;
   __syncthreads();
   for (int64_t b = threadIdx.x; b < batch; b += kGroupThreads) {
-    const int64_t n = argmax[b * argmax_stride];
+    const int64_t n = a.argmax[b * a.argmax_stride];
     if (n >= 0 && n < pooled) atomicAdd(reinterpret_cast<unsigned long long*>(cursor + n), 1ull);
   }
   __syncthreads();
@@ -291,7 +337,7 @@ __device__ __forceinline__ void group_rows(const DzInputs<scalar_t>& dz_in,
     for (int j = 0; j < kGroupItemsPerThread; ++j) {
       const int64_t n = chunk + first_item + j;
       if (n < pooled) {
-        segment_starts[n] = rows_before + starts[j];
+        a.segment_starts[n] = rows_before + starts[j];
         cursor[n] = rows_before + starts[j];
       }
     }
@@ -299,13 +345,15 @@ __device__ __forceinline__ void group_rows(const DzInputs<scalar_t>& dz_in,
     __syncthreads();  // temp.counts is reused by the next chunk
   }
   if (threadIdx.x == 0) {
-    segment_starts[pooled] = rows_before;
+    a.segment_starts[pooled] = rows_before;
     cursor[pooled] = rows_before;  // the rows in no segment follow the segments
   }
   __syncthreads();  // the cursors are set
 
   for (int64_t tile = 0; tile < batch; tile += kGroupTileRows) {
-    sort_tile(tile, keys, rows);
+    uint32_t keys[kGroupItemsPerThread];
+    uint32_t rows[kGroupItemsPerThread];
+    sort_tile<kGroupItemsPerThread>(a, temp, tile, keys, rows);
     int heads[kGroupItemsPerThread];
     int tails[kGroupItemsPerThread];
     RunFlags(temp.flags).FlagHeadsAndTails(heads, tails, keys, KeysDiffer());
@@ -317,7 +365,8 @@ __device__ __forceinline__ void group_rows(const DzInputs<scalar_t>& dz_in,
 #pragma unroll
     for (int j = 0; j < kGroupItemsPerThread; ++j) {
       if (tile + rows[j] < batch) {
-        write_position(cursor[keys[j]] + (first_item + j - run_start[j]), tile + rows[j], keys[j]);
+        write_position(a, cursor[keys[j]] + (first_item + j - run_start[j]), tile + rows[j],
+                       keys[j]);
       }
     }
     __syncthreads();  // every read of a cursor in this tile comes before its update
@@ -351,8 +400,9 @@ __global__ void __launch_bounds__(kGroupThreads, 2)
                                  int64_t w_stride1, scalar_t* __restrict__ grad_x,
                                  int64_t in_features, int64_t warps_per_row) {
   if (blockIdx.x == 0) {
-    group_rows<scalar_t>(dz_in, argmax, argmax_stride, batch, pooled, key_bits, segment_starts,
-                         cursor, order, sorted_segment, sorted_dz);
+    group_rows<scalar_t>(GroupRowsArgs<scalar_t>{dz_in, argmax, argmax_stride, batch, pooled,
+                                                 key_bits, segment_starts, cursor, order,
+                                                 sorted_segment, sorted_dz});
   } else {
     gather_grad_x<scalar_t, VEC>(static_cast<int64_t>(blockIdx.x) - 1, dz_in, argmax,
                                  argmax_stride, weight, w_stride0, w_stride1, grad_x, batch,
@@ -474,67 +524,56 @@ __global__ void __launch_bounds__(kSegmentThreads)
   store_piece(first, rows, acc, bias_acc);
 }
 
-// Block (group, chunk) of the second pass: segments group * kPieceSegments + j, columns chunk *
-// kSegmentThreads + t. An empty segment gets zeros when zero_empty_segments (forward_backward);
-// model_backward leaves it unwritten (fold_backward_of then reads no row of an empty segment). A segment whose rows s .. e - 1 (sorted
-// positions) span tiles t0 = s / R < t1 = (e - 1) / R gets, left to right, pieces[t0][1] (its rows
-// in t0: it is that tile's last segment) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first
-// segment of every later tile). A segment inside one tile was written by segment_tiles_kernel.
+// Block (tile, chunk) of the second pass: the segment whose rows start in tile t0 = tile and go on
+// past it, if there is one (the tile's last segment; every segment that spans tiles has exactly
+// one such block), over columns chunk * kSegmentThreads + t. Its sum, left to right: pieces[t0][1]
+// (its rows in t0) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first segment of every later
+// tile it reaches), kPieceBatch loads in flight. Segments inside one tile were written by
+// segment_tiles_kernel. The spanning segments are summed side by side, one block each: a block
+// that walked 32 segments in turn (one round trip to L2 per spanning segment) took 8 us at B =
+// 1024 (benchmarks/NOTES.md).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSegmentThreads)
-    segment_pieces_kernel(const int64_t* __restrict__ segment_starts,
+    segment_pieces_kernel(const int64_t* __restrict__ sorted_segment,
+                          const int64_t* __restrict__ segment_starts,
                           const float* __restrict__ pieces, const float* __restrict__ bias_pieces,
                           scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
-                          int64_t pooled, int64_t in_features, int64_t chunks,
-                          bool zero_empty_segments) {
-  __shared__ int64_t starts[kPieceSegments + 1];  // one round trip for the block's segments
-  const int64_t group = blockIdx.x / chunks;
-  const int64_t chunk = blockIdx.x - group * chunks;
+                          int64_t batch, int64_t in_features, int64_t chunks) {
+  const int64_t tile = blockIdx.x / chunks;
+  const int64_t chunk = blockIdx.x - tile * chunks;
+  const int64_t first = tile * kSegmentTileRows;  // the tile's first sorted position
+  const int64_t last = first + kSegmentTileRows - 1;
+  if (last + 1 >= batch) return;  // no later tile (block-uniform, as every test below)
+  const int64_t n = sorted_segment[last];
+  const int64_t before = tile > 0 ? sorted_segment[first - 1] : -1;
+  if (n < 0 || sorted_segment[last + 1] != n) return;  // ends in this tile (or no segment)
+  if (before == n) return;  // began in an earlier tile: summed by that tile's block
+  const int64_t t0 = tile;
+  const int64_t t1 = (segment_starts[n + 1] - 1) / kSegmentTileRows;
   const int64_t col = chunk * kSegmentThreads + threadIdx.x;
   const bool has_col = col < in_features;
   const bool writes_bias = chunk == 0 && threadIdx.x == 0;
-  const int64_t first_seg = group * kPieceSegments;
-  const int segments = static_cast<int>(std::min<int64_t>(pooled - first_seg, kPieceSegments));
-  if (static_cast<int>(threadIdx.x) <= segments) {
-    starts[threadIdx.x] = segment_starts[first_seg + threadIdx.x];  // index <= pooled
-  }
-  __syncthreads();
-  for (int j = 0; j < segments; ++j) {
-    const int64_t n = first_seg + j;
-    const int64_t s = starts[j];
-    const int64_t e = starts[j + 1];
-    if (s == e) {
-      if (zero_empty_segments) {
-        if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(0.0f);
-        if (writes_bias) grad_bias[n] = static_cast<scalar_t>(0.0f);
-      }
-      continue;
+  float acc = has_col ? pieces[(2 * t0 + 1) * in_features + col] : 0.0f;
+  float bias_acc = writes_bias ? bias_pieces[2 * t0 + 1] : 0.0f;
+  for (int64_t t = t0 + 1; t <= t1; t += kPieceBatch) {
+    float piece[kPieceBatch];
+    float bias_piece[kPieceBatch];
+#pragma unroll
+    for (int u = 0; u < kPieceBatch; ++u) {
+      const bool in_range = t + u <= t1;
+      piece[u] = in_range && has_col ? pieces[2 * (t + u) * in_features + col] : 0.0f;
+      bias_piece[u] = in_range && writes_bias ? bias_pieces[2 * (t + u)] : 0.0f;
     }
-    const int64_t t0 = s / kSegmentTileRows;
-    const int64_t t1 = (e - 1) / kSegmentTileRows;
-    if (t0 == t1) continue;
-    float acc = has_col ? pieces[(2 * t0 + 1) * in_features + col] : 0.0f;
-    float bias_acc = writes_bias ? bias_pieces[2 * t0 + 1] : 0.0f;
-    for (int64_t t = t0 + 1; t <= t1; t += kPieceBatch) {
-      float piece[kPieceBatch];
-      float bias_piece[kPieceBatch];
 #pragma unroll
-      for (int u = 0; u < kPieceBatch; ++u) {
-        const bool in_range = t + u <= t1;
-        piece[u] = in_range && has_col ? pieces[2 * (t + u) * in_features + col] : 0.0f;
-        bias_piece[u] = in_range && writes_bias ? bias_pieces[2 * (t + u)] : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kPieceBatch; ++u) {
-        if (t + u <= t1) {
-          acc = __fadd_rn(acc, piece[u]);
-          bias_acc = __fadd_rn(bias_acc, bias_piece[u]);
-        }
+    for (int u = 0; u < kPieceBatch; ++u) {
+      if (t + u <= t1) {
+        acc = __fadd_rn(acc, piece[u]);
+        bias_acc = __fadd_rn(bias_acc, bias_piece[u]);
       }
     }
-    if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(acc);
-    if (writes_bias) grad_bias[n] = static_cast<scalar_t>(bias_acc);
   }
+  if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(acc);
+  if (writes_bias) grad_bias[n] = static_cast<scalar_t>(bias_acc);
 }
 
 template <typename scalar_t>
@@ -591,10 +630,10 @@ bool gather_is_vectorizable(const at::Tensor& weight, const at::Tensor& grad_x, 
 }
 
 // The arg-max backward into the pooled gradient (forward_backward's outputs), for inputs already
-// checked on the current device. With zero_empty_segments false (model_backward) the rows of
-// grad_weight and the entries of grad_bias whose segment is empty are left unwritten; `grouping`
-// then holds segment_starts (its first pooled + 1 entries) for the caller. op names the calling op
-// in errors.
+// checked on the current device. The rows of grad_weight and the entries of grad_bias whose segment
+// is empty get no sum: with zero_empty_segments (forward_backward) they are allocated as zeros (a
+// memset), without (model_backward) they are left unwritten and `grouping` holds segment_starts
+// (its first pooled + 1 entries) for the caller. op names the calling op in errors.
 struct PooledGradients {
   at::Tensor grad_x, grad_weight, grad_bias;
   at::Tensor grouping;                    // undefined for an empty batch
@@ -617,8 +656,12 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     return result;
   }
   at::Tensor& grad_x = result.grad_x;
-  at::Tensor& grad_weight = result.grad_weight = at::empty({pooled, in_features}, weight.options());
-  at::Tensor& grad_bias = result.grad_bias = at::empty({pooled}, weight.options());
+  at::Tensor& grad_weight = result.grad_weight =
+      zero_empty_segments ? at::zeros({pooled, in_features}, weight.options())
+                          : at::empty({pooled, in_features}, weight.options());
+  at::Tensor& grad_bias = result.grad_bias = zero_empty_segments
+                                                 ? at::zeros({pooled}, weight.options())
+                                                 : at::empty({pooled}, weight.options());
 
   // Rows grouped by arg-max, increasing b within a group (group_rows): segment n is
   // order[segment_starts[n] .. segment_starts[n + 1]). One allocation holds segment_starts
@@ -671,11 +714,11 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
             chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     segment_pieces_kernel<scalar_t>
-        <<<grid_blocks(ceil_div<int64_t>(pooled, kPieceSegments) * chunks, 1), kSegmentThreads, 0,
+        <<<grid_blocks(tiles * chunks, 1), kSegmentThreads, 0,
            c10::cuda::getCurrentCUDAStream()>>>(
-            segment_starts, pieces, bias_pieces, grad_weight.mutable_data_ptr<scalar_t>(),
-            grad_bias.mutable_data_ptr<scalar_t>(), pooled, in_features, chunks,
-            zero_empty_segments);
+            grouping.sorted_segment, segment_starts, pieces, bias_pieces,
+            grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
+            batch, in_features, chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return result;
