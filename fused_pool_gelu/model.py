@@ -41,9 +41,9 @@ class ModelNew(nn.Module):
     ``load_state_dict``, ``.to()``), detected through the parameters' identity, storage pointer and
     version counter: no host sync per call. Edits through ``.data`` bypass the version counter; call
     :meth:`invalidate_fold` after such an edit. When gradients are needed (training), the fold is
-    recorded in the autograd graph each call so that weight and bias get their gradients: in eager
-    mode through ``ops.model_forward`` (fold and forward as one autograd node), under torch.compile
-    and CUDA-graph capture through ``ops.fold`` then ``ops.forward``.
+    recorded in the autograd graph each call so that weight and bias get their gradients: eagerly
+    and under CUDA-graph capture through ``ops.model_forward`` (fold and forward as one autograd
+    node), under torch.compile through ``ops.fold`` then ``ops.forward``.
     """
 
     def __init__(self, in_features, out_features, pool_kernel_size, scale_factor):
@@ -121,10 +121,7 @@ class ModelNew(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     @staticmethod
-    def _traced_or_captured() -> bool:
-        if torch.compiler.is_compiling():
-            # Traced graphs cannot read version counters; the fold becomes part of the graph.
-            return True
+    def _capturing() -> bool:
         # A captured fold runs at each replay, so the graph follows parameter updates; a cache
         # filled during capture would hold values that exist only after the first replay.
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
@@ -133,16 +130,22 @@ class ModelNew(nn.Module):
         # Each nn.Module attribute lookup costs about a microsecond of host time: fetch them once.
         linear = self.matmul
         weight, bias = linear.weight, linear.bias
-        if self._traced_or_captured():
+        if torch.compiler.is_compiling():
+            # Traced graphs cannot read version counters, and they trace the ops through their
+            # fake kernels and Python autograd formulas: the fold becomes part of the graph.
             pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
             return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
         if torch.is_grad_enabled() and (
             weight.requires_grad or (bias is not None and bias.requires_grad)
         ):
-            # Eager training: the fold must be in the autograd graph for weight and bias to get
-            # gradients; model_forward records fold and forward as one C++ node (less host time
-            # than the two ops' Python autograd nodes, same bits).
+            # Training, eager or captured in a CUDA graph: the fold must be in the autograd graph
+            # for weight and bias to get gradients; model_forward records fold and forward as one
+            # C++ node (less host time than the two ops' Python autograd nodes, same bits), whose
+            # backward is model_backward.
             return ops.model_forward(x, weight, bias, self.pool_kernel_size, self.scale_factor)
+        if self._capturing():
+            pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
+            return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
         pooled_weight, pooled_bias = self._folded(weight, bias)
         return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
 

@@ -354,6 +354,37 @@ def _sgd_like_update(model):
 
 @pytest.mark.cuda
 @pytest.mark.graphs
+def test_captured_training_step_runs_model_forward_and_replays_the_eager_gradients(
+    capture_graph, monkeypatch
+):
+    # Captured, training takes the eager path (model_forward, whose backward is model_backward),
+    # not the two ops that torch.compile traces; a replay gives the eager step's gradients, bits.
+    model = ModelNew(*GRAPH_ARGS).cuda()
+    static_x = torch.rand(GRAPH_BATCH, GRAPH_ARGS[0]).cuda()
+    calls = []
+    real_model_forward = fused_pool_gelu.ops.model_forward
+
+    def recording_model_forward(*args):
+        calls.append(torch.cuda.is_current_stream_capturing())
+        return real_model_forward(*args)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(static_x).sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    monkeypatch.setattr(fused_pool_gelu.ops, "model_forward", recording_model_forward)
+    graph, static_grads = capture_graph(step)
+    assert calls[-1] is True  # the captured forward
+    graph.replay()
+    replayed = [g.clone() for g in static_grads]
+    eager = step()
+    for got, want in zip(replayed, eager):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.graphs
 def test_cuda_graph_of_fold_and_forward_under_no_grad_follows_parameter_updates(capture_graph):
     # Evaluation between training steps: capture the ops, fold included, not ModelNew's cache.
     model = ModelNew(*GRAPH_ARGS).cuda()

@@ -67,8 +67,10 @@ static_assert(kSegmentTileRows + 2 <= kSegmentThreads, "one thread stages each r
 
 // Segment reduction, second kernel (segment_pieces_kernel): adds the pieces of each segment that
 // spans tiles, kPieceBatch piece loads in flight at a time (a segment of all 4096 rows has 128
-// pieces).
+// pieces); for forward_backward, blocks of kZeroSegments segments also zero the empty ones.
 constexpr int kPieceBatch = 16;
+constexpr int kZeroSegments = 32;
+static_assert(kZeroSegments + 1 <= kSegmentThreads, "one thread stages each segment start");
 
 // Grouping rows by arg-max (group_rows): one block of kGroupThreads threads sorts tiles of
 // kGroupTileRows rows. 512 x 8: the kernel's shared memory (cub's block radix sort of 4096 32-bit
@@ -524,23 +526,46 @@ __global__ void __launch_bounds__(kSegmentThreads)
   store_piece(first, rows, acc, bias_acc);
 }
 
-// Block (tile, chunk) of the second pass: the segment whose rows start in tile t0 = tile and go on
-// past it, if there is one (the tile's last segment; every segment that spans tiles has exactly
-// one such block), over columns chunk * kSegmentThreads + t. Its sum, left to right: pieces[t0][1]
-// (its rows in t0) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first segment of every later
-// tile it reaches), kPieceBatch loads in flight. Segments inside one tile were written by
-// segment_tiles_kernel. The spanning segments are summed side by side, one block each: a block
-// that walked 32 segments in turn (one round trip to L2 per spanning segment) took 8 us at B =
-// 1024 (benchmarks/NOTES.md).
+// Block (tile, chunk), tile < tiles, of the second pass: the segment whose rows start in tile t0 =
+// tile and go on past it, if there is one (the tile's last segment; every segment that spans tiles
+// has exactly one such block), over columns chunk * kSegmentThreads + t. Its sum, left to right:
+// pieces[t0][1] (its rows in t0) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first segment of
+// every later tile it reaches), kPieceBatch loads in flight. Segments inside one tile were written
+// by segment_tiles_kernel. The spanning segments are summed side by side, one block each: a block
+// that walked 32 segments in turn took 8 us at B = 1024 (benchmarks/NOTES.md).
+// With zero_empty_segments (forward_backward: every pooled row is an output), blocks tile = tiles
+// + g write zeros to the empty segments among g * kZeroSegments .. (g + 1) * kZeroSegments - 1;
+// model_backward leaves them unwritten (fold_backward_of reads no row of an empty segment).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSegmentThreads)
     segment_pieces_kernel(const int64_t* __restrict__ sorted_segment,
                           const int64_t* __restrict__ segment_starts,
                           const float* __restrict__ pieces, const float* __restrict__ bias_pieces,
                           scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
-                          int64_t batch, int64_t in_features, int64_t chunks) {
+                          int64_t batch, int64_t pooled, int64_t in_features, int64_t tiles,
+                          int64_t chunks) {
   const int64_t tile = blockIdx.x / chunks;
   const int64_t chunk = blockIdx.x - tile * chunks;
+  const int64_t col = chunk * kSegmentThreads + threadIdx.x;
+  const bool has_col = col < in_features;
+  const bool writes_bias = chunk == 0 && threadIdx.x == 0;
+  if (tile >= tiles) {  // block-uniform
+    __shared__ int64_t starts[kZeroSegments + 1];
+    const int64_t first_segment = (tile - tiles) * kZeroSegments;
+    const int segments =
+        static_cast<int>(std::min<int64_t>(pooled - first_segment, kZeroSegments));
+    if (static_cast<int>(threadIdx.x) <= segments) {
+      starts[threadIdx.x] = segment_starts[first_segment + threadIdx.x];  // index <= pooled
+    }
+    __syncthreads();
+    for (int j = 0; j < segments; ++j) {
+      if (starts[j] != starts[j + 1]) continue;
+      const int64_t n = first_segment + j;
+      if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(0.0f);
+      if (writes_bias) grad_bias[n] = static_cast<scalar_t>(0.0f);
+    }
+    return;
+  }
   const int64_t first = tile * kSegmentTileRows;  // the tile's first sorted position
   const int64_t last = first + kSegmentTileRows - 1;
   if (last + 1 >= batch) return;  // no later tile (block-uniform, as every test below)
@@ -550,9 +575,6 @@ __global__ void __launch_bounds__(kSegmentThreads)
   if (before == n) return;  // began in an earlier tile: summed by that tile's block
   const int64_t t0 = tile;
   const int64_t t1 = (segment_starts[n + 1] - 1) / kSegmentTileRows;
-  const int64_t col = chunk * kSegmentThreads + threadIdx.x;
-  const bool has_col = col < in_features;
-  const bool writes_bias = chunk == 0 && threadIdx.x == 0;
   float acc = has_col ? pieces[(2 * t0 + 1) * in_features + col] : 0.0f;
   float bias_acc = writes_bias ? bias_pieces[2 * t0 + 1] : 0.0f;
   for (int64_t t = t0 + 1; t <= t1; t += kPieceBatch) {
@@ -634,9 +656,9 @@ bool gather_is_vectorizable(const at::Tensor& weight, const at::Tensor& grad_x, 
 
 // The arg-max backward into the pooled gradient (forward_backward's outputs), for inputs already
 // checked on the current device. The rows of grad_weight and the entries of grad_bias whose segment
-// is empty get no sum: with zero_empty_segments (forward_backward) they are allocated as zeros (a
-// memset), without (model_backward) they are left unwritten and `grouping` holds segment_starts
-// (its first pooled + 1 entries) for the caller. op names the calling op in errors.
+// is empty get no sum: with zero_empty_segments (forward_backward) segment_pieces_kernel zeroes
+// them, without (model_backward) they are left unwritten and `grouping` holds segment_starts (its
+// first pooled + 1 entries) for the caller. op names the calling op in errors.
 struct PooledGradients {
   at::Tensor grad_x, grad_weight, grad_bias;
   at::Tensor grouping;                    // undefined for an empty batch
@@ -659,12 +681,8 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     return result;
   }
   at::Tensor& grad_x = result.grad_x;
-  at::Tensor& grad_weight = result.grad_weight =
-      zero_empty_segments ? at::zeros({pooled, in_features}, weight.options())
-                          : at::empty({pooled, in_features}, weight.options());
-  at::Tensor& grad_bias = result.grad_bias = zero_empty_segments
-                                                 ? at::zeros({pooled}, weight.options())
-                                                 : at::empty({pooled}, weight.options());
+  at::Tensor& grad_weight = result.grad_weight = at::empty({pooled, in_features}, weight.options());
+  at::Tensor& grad_bias = result.grad_bias = at::empty({pooled}, weight.options());
 
   // Rows grouped by arg-max, increasing b within a group (group_rows): segment n is
   // order[segment_starts[n] .. segment_starts[n + 1]). One allocation holds segment_starts
@@ -716,12 +734,14 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
             grad_bias.mutable_data_ptr<scalar_t>(), pieces, bias_pieces, batch, in_features,
             chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t zero_groups =
+        zero_empty_segments ? ceil_div<int64_t>(pooled, kZeroSegments) : 0;
     segment_pieces_kernel<scalar_t>
-        <<<grid_blocks(tiles * chunks, 1), kSegmentThreads, 0,
+        <<<grid_blocks((tiles + zero_groups) * chunks, 1), kSegmentThreads, 0,
            c10::cuda::getCurrentCUDAStream()>>>(
             grouping.sorted_segment, segment_starts, pieces, bias_pieces,
             grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
-            batch, in_features, chunks);
+            batch, pooled, in_features, tiles, chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return result;
