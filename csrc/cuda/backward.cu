@@ -526,32 +526,34 @@ __global__ void __launch_bounds__(kSegmentThreads)
   store_piece(first, rows, acc, bias_acc);
 }
 
-// Block (tile, chunk), tile < tiles, of the second pass: the segment whose rows start in tile t0 =
+// Block (zero_groups + tile, chunk) of the second pass: the segment whose rows start in tile t0 =
 // tile and go on past it, if there is one (the tile's last segment; every segment that spans tiles
 // has exactly one such block), over columns chunk * kSegmentThreads + t. Its sum, left to right:
 // pieces[t0][1] (its rows in t0) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first segment of
 // every later tile it reaches), kPieceBatch loads in flight. Segments inside one tile were written
 // by segment_tiles_kernel. The spanning segments are summed side by side, one block each: a block
 // that walked 32 segments in turn took 8 us at B = 1024 (benchmarks/NOTES.md).
-// With zero_empty_segments (forward_backward: every pooled row is an output), blocks tile = tiles
-// + g write zeros to the empty segments among g * kZeroSegments .. (g + 1) * kZeroSegments - 1;
-// model_backward leaves them unwritten (fold_backward_of reads no row of an empty segment).
+// With zero_empty_segments (forward_backward: every pooled row is an output), zero_groups more
+// blocks come first (scheduled first, so that they overlap the sums instead of trailing them):
+// block (g, chunk) writes zeros to the empty segments among g * kZeroSegments .. (g + 1) *
+// kZeroSegments - 1. model_backward has none and leaves those rows unwritten (fold_backward_of
+// reads no row of an empty segment).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSegmentThreads)
     segment_pieces_kernel(const int64_t* __restrict__ sorted_segment,
                           const int64_t* __restrict__ segment_starts,
                           const float* __restrict__ pieces, const float* __restrict__ bias_pieces,
                           scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
-                          int64_t batch, int64_t pooled, int64_t in_features, int64_t tiles,
-                          int64_t chunks) {
-  const int64_t tile = blockIdx.x / chunks;
-  const int64_t chunk = blockIdx.x - tile * chunks;
+                          int64_t batch, int64_t pooled, int64_t in_features,
+                          int64_t zero_groups, int64_t chunks) {
+  const int64_t group = blockIdx.x / chunks;
+  const int64_t chunk = blockIdx.x - group * chunks;
   const int64_t col = chunk * kSegmentThreads + threadIdx.x;
   const bool has_col = col < in_features;
   const bool writes_bias = chunk == 0 && threadIdx.x == 0;
-  if (tile >= tiles) {  // block-uniform
+  if (group < zero_groups) {  // block-uniform
     __shared__ int64_t starts[kZeroSegments + 1];
-    const int64_t first_segment = (tile - tiles) * kZeroSegments;
+    const int64_t first_segment = group * kZeroSegments;
     const int segments =
         static_cast<int>(std::min<int64_t>(pooled - first_segment, kZeroSegments));
     if (static_cast<int>(threadIdx.x) <= segments) {
@@ -566,6 +568,7 @@ __global__ void __launch_bounds__(kSegmentThreads)
     }
     return;
   }
+  const int64_t tile = group - zero_groups;
   const int64_t first = tile * kSegmentTileRows;  // the tile's first sorted position
   const int64_t last = first + kSegmentTileRows - 1;
   if (last + 1 >= batch) return;  // no later tile (block-uniform, as every test below)
@@ -741,7 +744,7 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
            c10::cuda::getCurrentCUDAStream()>>>(
             grouping.sorted_segment, segment_starts, pieces, bias_pieces,
             grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
-            batch, pooled, in_features, tiles, chunks);
+            batch, pooled, in_features, zero_groups, chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return result;
