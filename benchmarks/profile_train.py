@@ -8,7 +8,9 @@ fused forward), out.sum().backward() into weight, bias and x. Prints every kerne
 with its own time / device time (common.kernel_device_times: a programmatic dependent launch's
 device time holds its wait for the kernel before it, its own time does not), the sum of the own
 times, the step's median (fused_pool_gelu.timing, as bench_train.py) and the median of the same
-step replayed as a CUDA graph (the step's GPU work without its host time). The eager median is
+step replayed as a CUDA graph (the step's GPU work without its host time; captured, ModelNew takes
+its eager training path since commit 93ec369, before which the replays ran fold + forward and their
+backward, forward_backward + fold_backward). The eager median is
 host-bound on a slow host (on the H200 machine at B = 1024 it ranged 306-562 us between runs while
 bench_train.py measured 303): read this script for the kernels and the GPU work, bench_train.py for
 the step's time.
