@@ -21,7 +21,7 @@ import fused_pool_gelu  # noqa: F401  (registers torch.ops.fused_pool_gelu)
 
 
 def short_name(kernel: str) -> str:
-    """`void ns::(anonymous namespace)::segment_tiles_kernel<float>(...)` -> segment_tiles_kernel."""
+    """`void ns::(anonymous namespace)::segment_tiles_kernel<float>(...)` -> its bare name."""
     name = kernel.replace("(anonymous namespace)::", "")
     return name.split("(")[0].split("<")[0].split("::")[-1].replace("void ", "")
 

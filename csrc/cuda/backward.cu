@@ -9,8 +9,9 @@
 //
 // Determinism: no float atomics. The rows are grouped by arg-max with a stable counting sort of our
 // own (group_rows: one block, no host sync, in the launch that gathers grad_x), and every sum runs
-// in the fixed order of summation_order.h, the CPU backward's too: pieces of a segment's rows within tiles of
-// kSegmentTileRows sorted rows (segment_tiles_kernel), then the pieces (segment_pieces_kernel).
+// in the fixed order of summation_order.h, the CPU backward's too: pieces of a segment's rows
+// within tiles of kSegmentTileRows sorted rows (segment_tiles_kernel), then the pieces
+// (segment_pieces_kernel).
 // Every product dz*x is rounded to float before it is added (no FMA contraction). So given the
 // same dz the result is bit for bit the CPU's (dz itself may differ from a CPU's in the last bits,
 // through erf and exp).
@@ -121,8 +122,8 @@ __device__ __forceinline__ float row_dz(const DzInputs<scalar_t>& in, int64_t b)
 
 // Block `block` of the gather grad_x[b, :] = dz[b] * weight[argmax[b], :]. Warp w covers row b =
 // w / warps_per_row and the vectors (w % warps_per_row) * kWarpSize * kGatherVectorsPerLane + u *
-// kWarpSize + lane, so every load and store instruction of a warp touches 512 contiguous bytes. A row whose arg-max is out of
-// [0, pooled) is written as NaN and its weight row is never read.
+// kWarpSize + lane, so every load and store instruction of a warp touches 512 contiguous bytes. A
+// row whose arg-max is out of [0, pooled) is written as NaN and its weight row is never read.
 // VEC > 1 requires w_stride1 == 1, 16-byte aligned weight rows and in_features % VEC == 0.
 template <typename scalar_t, int VEC>
 __device__ __forceinline__ void gather_grad_x(
@@ -388,7 +389,7 @@ __device__ __forceinline__ void group_rows(const GroupRowsArgs<scalar_t>& a) {
 // the gather fills the other SMs meanwhile, and block 0, the first one scheduled, starts at once. A
 // second stream would overlap them too, at the price of an event fork and join on the host in
 // every step. Both jobs read only the call's inputs, so neither waits for the other.
-// Two blocks per SM (64 registers) for the gather's bytes in flight; ptxas then spills 56 bytes,
+// Two blocks per SM (64 registers) for the gather's bytes in flight; ptxas then spills 112 bytes,
 // all in the grouping's code (SASS), which runs in one block.
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kGroupThreads, 2)
@@ -688,31 +689,31 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   at::Tensor& grad_bias = result.grad_bias = at::empty({pooled}, weight.options());
 
   // Rows grouped by arg-max, increasing b within a group (group_rows): segment n is
-  // order[segment_starts[n] .. segment_starts[n + 1]). One allocation holds segment_starts
-  // [pooled + 1], the cursors [pooled + 1], order [batch] and sorted_segment [batch]; sorted_dz
-  // [batch] is a float tensor of its own.
+  // order[segment_starts[n] .. segment_starts[n + 1]). One int64 allocation holds segment_starts
+  // [pooled + 1], the cursors [pooled + 1], order [batch] and sorted_segment [batch] (each
+  // allocation costs host time in every training step).
   TORCH_CHECK(pooled < int64_t{0xffffffff}, "fused_pool_gelu.", op,
               ": the pooled weight must have fewer than 2^32 - 1 rows on cuda, got shape ",
               weight.sizes());
   result.grouping = at::empty({2 * (pooled + 1) + 2 * batch}, argmax.options());
-  const at::Tensor sorted_dz = at::empty({batch}, x.options().dtype(at::kFloat));
   Grouping grouping;
   grouping.segment_starts = result.grouping.mutable_data_ptr<int64_t>();
   grouping.cursor = grouping.segment_starts + pooled + 1;
   grouping.order = grouping.cursor + pooled + 1;
   grouping.sorted_segment = grouping.order + batch;
-  grouping.sorted_dz = sorted_dz.mutable_data_ptr<float>();
   const int64_t* segment_starts = grouping.segment_starts;
   if (!zero_empty_segments) result.segment_starts = segment_starts;
   int key_bits = 0;  // bits of `pooled`, the largest key
   while (key_bits < 32 && (pooled >> key_bits) != 0) ++key_bits;
-  // The segment reduction's pieces (segment_tiles_kernel): two per tile of sorted rows, each a
-  // row of in_features floats (its bias piece beside), 8 MB at B = 4096, K = 8192.
+  // One float allocation holds the segment reduction's pieces (segment_tiles_kernel: two per tile
+  // of sorted rows, each a row of in_features floats, 8 MB at B = 4096, K = 8192), their bias
+  // pieces, and the grouping's sorted_dz [batch].
   const int64_t piece_slots = 2 * ceil_div<int64_t>(batch, kSegmentTileRows);
-  const at::Tensor piece_storage =
-      at::empty({piece_slots * (in_features + 1)}, x.options().dtype(at::kFloat));
-  float* pieces = piece_storage.mutable_data_ptr<float>();
+  const at::Tensor float_storage =
+      at::empty({piece_slots * (in_features + 1) + batch}, x.options().dtype(at::kFloat));
+  float* pieces = float_storage.mutable_data_ptr<float>();
   float* bias_pieces = pieces + piece_slots * in_features;
+  grouping.sorted_dz = bias_pieces + piece_slots;
 
   FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward_backward", [&] {
     const DzInputs<scalar_t> dz_in =

@@ -13,8 +13,8 @@ namespace cuda {
 // (grad_weight [out_features, K], grad_bias [out_features]) = fold's adjoint of the pooled gradient
 // [out_features // k, K], [out_features // k] (see fold.cu). Inputs already checked, current device
 // set. With segment_starts (a device array of out_features // k + 1 entries, the arg-max
-// grouping's), pooled row n is taken as zero wherever segment_starts[n] == segment_starts[n + 1] and
-// is not read there.
+// grouping's), pooled row n is taken as zero wherever segment_starts[n] == segment_starts[n + 1]
+// and is not read there.
 std::tuple<at::Tensor, at::Tensor> fold_backward_of(const at::Tensor& grad_pooled_weight,
                                                     const at::Tensor& grad_pooled_bias,
                                                     int64_t out_features, int64_t pool_kernel_size,
