@@ -64,22 +64,28 @@ inline void check_fold_inputs(const at::Tensor& weight, const c10::optional<at::
   }
 }
 
+// The unfolded shape (out_features, pool_kernel_size) of a pooled tensor `name` with `rows` rows:
+// rows == out_features // pool_kernel_size (fold_backward, model_backward).
+inline void check_unfolded_shape(const char* op, const char* name, const at::Tensor& pooled,
+                                 int64_t out_features, int64_t pool_kernel_size) {
+  TORCH_CHECK(pool_kernel_size >= 1, "fused_pool_gelu.", op,
+              ": pool_kernel_size must be >= 1, got ", pool_kernel_size);
+  // Checked on its own: -k < out_features < 0 would pass the row count test below (C++ division
+  // truncates toward zero).
+  TORCH_CHECK(out_features >= 0, "fused_pool_gelu.", op, ": out_features must be >= 0, got ",
+              out_features);
+  TORCH_CHECK(out_features / pool_kernel_size == pooled.size(0), "fused_pool_gelu.", op, ": ",
+              name, " must have out_features // pool_kernel_size = ",
+              out_features / pool_kernel_size, " rows, got shape ", pooled.sizes());
+}
+
 // fold_backward(grad_pooled_weight [N, K], grad_pooled_bias [N], O, k).
 inline void check_fold_backward_inputs(const at::Tensor& grad_pooled_weight,
                                        const at::Tensor& grad_pooled_bias, int64_t out_features,
                                        int64_t pool_kernel_size) {
   const char* op = "fold_backward";
   check_rank(op, "grad_pooled_weight", grad_pooled_weight, 2, "[pooled_features, in_features]");
-  TORCH_CHECK(pool_kernel_size >= 1, "fused_pool_gelu.fold_backward: pool_kernel_size must be >= 1, got ",
-              pool_kernel_size);
-  // Checked on its own: -k < out_features < 0 would pass the row count test below (C++ division
-  // truncates toward zero).
-  TORCH_CHECK(out_features >= 0, "fused_pool_gelu.fold_backward: out_features must be >= 0, got ",
-              out_features);
-  TORCH_CHECK(out_features / pool_kernel_size == grad_pooled_weight.size(0),
-              "fused_pool_gelu.fold_backward: grad_pooled_weight must have out_features // "
-              "pool_kernel_size = ", out_features / pool_kernel_size, " rows, got shape ",
-              grad_pooled_weight.sizes());
+  check_unfolded_shape(op, "grad_pooled_weight", grad_pooled_weight, out_features, pool_kernel_size);
   TORCH_CHECK(grad_pooled_bias.dim() == 1 && grad_pooled_bias.size(0) == grad_pooled_weight.size(0),
               "fused_pool_gelu.fold_backward: grad_pooled_bias must be 1-D [pooled_features] = [",
               grad_pooled_weight.size(0), "], got shape ", grad_pooled_bias.sizes());
@@ -150,16 +156,8 @@ inline void check_model_backward_inputs(const at::Tensor& grad_out, const at::Te
                                         int64_t pool_kernel_size) {
   check_forward_backward_inputs(grad_out, c10::nullopt, x, pooled_weight, argmax, preactivation,
                                 "model_backward");
-  TORCH_CHECK(pool_kernel_size >= 1,
-              "fused_pool_gelu.model_backward: pool_kernel_size must be >= 1, got ",
-              pool_kernel_size);
-  // out_features >= 0 on its own: -k < out_features < 0 would pass the row count test below.
-  TORCH_CHECK(out_features >= 0, "fused_pool_gelu.model_backward: out_features must be >= 0, got ",
-              out_features);
-  TORCH_CHECK(out_features / pool_kernel_size == pooled_weight.size(0),
-              "fused_pool_gelu.model_backward: pooled_weight must have out_features // "
-              "pool_kernel_size = ", out_features / pool_kernel_size, " rows, got shape ",
-              pooled_weight.sizes());
+  check_unfolded_shape("model_backward", "pooled_weight", pooled_weight, out_features,
+                       pool_kernel_size);
 }
 
 inline bool is_reduced_float(const at::Tensor& t) {

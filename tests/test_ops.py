@@ -522,7 +522,8 @@ def _bad_input_cases():
     def t(*shape, dtype=f32, device="cpu"):
         return torch.randn(*shape, dtype=torch.float64).to(device=device, dtype=dtype)
 
-    def fwb(device, **over):
+    def backward_args(device, **over):
+        """The arguments both backward ops take, valid unless overridden."""
         args = dict(
             grad_out=t(4, device=device),
             grad_pre=None,
@@ -532,23 +533,18 @@ def _bad_input_cases():
             pre=t(4, device=device),
         )
         args.update(over)
+        return args
+
+    def fwb(device, **over):
+        a = backward_args(device, **over)
         return lambda: _OPS.forward_backward(
-            args["grad_out"], args["grad_pre"], args["x"], args["weight"], args["argmax"],
-            args["pre"], 2.0,
+            a["grad_out"], a["grad_pre"], a["x"], a["weight"], a["argmax"], a["pre"], 2.0
         )
 
     def model_backward(device, out_features=7, k=2, **over):
-        args = dict(
-            grad_out=t(4, device=device),
-            x=t(4, 6, device=device),
-            weight=t(3, 6, device=device),
-            argmax=torch.tensor([0, 2, 1, 0], device=device),
-            pre=t(4, device=device),
-        )
-        args.update(over)
+        a = backward_args(device, **over)
         return lambda: _OPS.model_backward(
-            args["grad_out"], args["x"], args["weight"], args["argmax"], args["pre"], 2.0,
-            out_features, k,
+            a["grad_out"], a["x"], a["weight"], a["argmax"], a["pre"], 2.0, out_features, k
         )
 
     return {

@@ -211,6 +211,15 @@ __device__ __forceinline__ auto& sort_storage(GroupTemp& temp) {
   }
 }
 
+// The arrays group_rows writes (see there; allocated in pooled_gradients).
+struct Grouping {
+  int64_t* segment_starts;
+  int64_t* cursor;
+  int64_t* order;
+  int64_t* sorted_segment;
+  float* sorted_dz;
+};
+
 // group_rows' arguments (see there).
 template <typename scalar_t>
 struct GroupRowsArgs {
@@ -220,11 +229,7 @@ struct GroupRowsArgs {
   int64_t batch;
   int64_t pooled;
   int key_bits;
-  int64_t* segment_starts;
-  int64_t* cursor;
-  int64_t* order;
-  int64_t* sorted_segment;
-  float* sorted_dz;
+  Grouping out;
 };
 
 // Sorted position p of row b (segment n, or `pooled` for none): everything a position holds.
@@ -232,9 +237,9 @@ template <typename scalar_t>
 __device__ __forceinline__ void write_position(const GroupRowsArgs<scalar_t>& a, int64_t p,
                                                int64_t b, uint32_t n) {
   const bool in_segment = n != static_cast<uint32_t>(a.pooled);
-  a.order[p] = b;
-  a.sorted_segment[p] = in_segment ? static_cast<int64_t>(n) : -1;
-  a.sorted_dz[p] = in_segment ? row_dz(a.dz_in, b) : 0.0f;
+  a.out.order[p] = b;
+  a.out.sorted_segment[p] = in_segment ? static_cast<int64_t>(n) : -1;
+  a.out.sorted_dz[p] = in_segment ? row_dz(a.dz_in, b) : 0.0f;
 }
 
 // The tile of rows tile .. tile + kGroupThreads * kItems - 1, sorted by key (blocked: item j of
@@ -276,7 +281,7 @@ __device__ __forceinline__ void group_one_tile(const GroupRowsArgs<scalar_t>& a,
       const int mid = (lo + hi) / 2;
       if (temp.sorted_keys[mid] < n) lo = mid + 1; else hi = mid;
     }
-    a.segment_starts[n] = lo;
+    a.out.segment_starts[n] = lo;
   }
 }
 
@@ -315,7 +320,7 @@ __device__ __forceinline__ void group_rows(const GroupRowsArgs<scalar_t>& a) {
   }
   const int64_t batch = a.batch;
   const int64_t pooled = a.pooled;
-  int64_t* cursor = a.cursor;
+  int64_t* cursor = a.out.cursor;
   const int first_item = static_cast<int>(threadIdx.x) * kGroupItemsPerThread;
 
   for (int64_t n = threadIdx.x; n <= pooled; n += kGroupThreads) cursor[n] = 0;
@@ -340,7 +345,7 @@ __device__ __forceinline__ void group_rows(const GroupRowsArgs<scalar_t>& a) {
     for (int j = 0; j < kGroupItemsPerThread; ++j) {
       const int64_t n = chunk + first_item + j;
       if (n < pooled) {
-        a.segment_starts[n] = rows_before + starts[j];
+        a.out.segment_starts[n] = rows_before + starts[j];
         cursor[n] = rows_before + starts[j];
       }
     }
@@ -348,7 +353,7 @@ __device__ __forceinline__ void group_rows(const GroupRowsArgs<scalar_t>& a) {
     __syncthreads();  // temp.counts is reused by the next chunk
   }
   if (threadIdx.x == 0) {
-    a.segment_starts[pooled] = rows_before;
+    a.out.segment_starts[pooled] = rows_before;
     cursor[pooled] = rows_before;  // the rows in no segment follow the segments
   }
   __syncthreads();  // the cursors are set
@@ -395,17 +400,13 @@ template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kGroupThreads, 2)
     group_rows_and_grad_x_kernel(DzInputs<scalar_t> dz_in, const int64_t* __restrict__ argmax,
                                  int64_t argmax_stride, int64_t batch, int64_t pooled,
-                                 int key_bits, int64_t* __restrict__ segment_starts,
-                                 int64_t* __restrict__ cursor, int64_t* __restrict__ order,
-                                 int64_t* __restrict__ sorted_segment,
-                                 float* __restrict__ sorted_dz,
+                                 int key_bits, Grouping grouping,
                                  const scalar_t* __restrict__ weight, int64_t w_stride0,
                                  int64_t w_stride1, scalar_t* __restrict__ grad_x,
                                  int64_t in_features, int64_t warps_per_row) {
   if (blockIdx.x == 0) {
-    group_rows<scalar_t>(GroupRowsArgs<scalar_t>{dz_in, argmax, argmax_stride, batch, pooled,
-                                                 key_bits, segment_starts, cursor, order,
-                                                 sorted_segment, sorted_dz});
+    group_rows<scalar_t>(
+        GroupRowsArgs<scalar_t>{dz_in, argmax, argmax_stride, batch, pooled, key_bits, grouping});
   } else {
     gather_grad_x<scalar_t, VEC>(static_cast<int64_t>(blockIdx.x) - 1, dz_in, argmax,
                                  argmax_stride, weight, w_stride0, w_stride1, grad_x, batch,
@@ -621,15 +622,6 @@ DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
   return in;
 }
 
-// The grouping's arrays (Grouping) are described at their allocation in pooled_gradients.
-struct Grouping {
-  int64_t* segment_starts;
-  int64_t* cursor;
-  int64_t* order;
-  int64_t* sorted_segment;
-  float* sorted_dz;
-};
-
 template <typename scalar_t, int VEC>
 void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
                                   int key_bits, const Grouping& grouping, const at::Tensor& weight,
@@ -644,8 +636,7 @@ void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Ten
       <<<grid_blocks(gather_threads + kGatherThreads, kGatherThreads), kGroupThreads, 0,
          c10::cuda::getCurrentCUDAStream()>>>(
           dz_in, argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0),
-          key_bits, grouping.segment_starts, grouping.cursor, grouping.order,
-          grouping.sorted_segment, grouping.sorted_dz, weight.const_data_ptr<scalar_t>(),
+          key_bits, grouping, weight.const_data_ptr<scalar_t>(),
           weight.stride(0), weight.stride(1), grad_x.mutable_data_ptr<scalar_t>(), in_features,
           warps_per_row);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
