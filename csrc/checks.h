@@ -64,8 +64,8 @@ inline void check_fold_inputs(const at::Tensor& weight, const c10::optional<at::
   }
 }
 
-// The unfolded shape (out_features, pool_kernel_size) of a pooled tensor `name` with `rows` rows:
-// rows == out_features // pool_kernel_size (fold_backward, model_backward).
+// The unfolded shape (out_features, pool_kernel_size) of the pooled tensor `name`: its rows ==
+// out_features // pool_kernel_size (fold_backward, model_backward).
 inline void check_unfolded_shape(const char* op, const char* name, const at::Tensor& pooled,
                                  int64_t out_features, int64_t pool_kernel_size) {
   TORCH_CHECK(pool_kernel_size >= 1, "fused_pool_gelu.", op,
@@ -85,7 +85,8 @@ inline void check_fold_backward_inputs(const at::Tensor& grad_pooled_weight,
                                        int64_t pool_kernel_size) {
   const char* op = "fold_backward";
   check_rank(op, "grad_pooled_weight", grad_pooled_weight, 2, "[pooled_features, in_features]");
-  check_unfolded_shape(op, "grad_pooled_weight", grad_pooled_weight, out_features, pool_kernel_size);
+  check_unfolded_shape(op, "grad_pooled_weight", grad_pooled_weight, out_features,
+                       pool_kernel_size);
   TORCH_CHECK(grad_pooled_bias.dim() == 1 && grad_pooled_bias.size(0) == grad_pooled_weight.size(0),
               "fused_pool_gelu.fold_backward: grad_pooled_bias must be 1-D [pooled_features] = [",
               grad_pooled_weight.size(0), "], got shape ", grad_pooled_bias.sizes());
