@@ -5,7 +5,7 @@
 // formulas of fold and forward_with_argmax, registered in ops.py, run once forward and once
 // backward) and records two graph nodes. Here the forward calls fold and forward_with_argmax below
 // autograd and saves what the arg-max backward needs; the backward calls model_backward
-// (forward_backward then fold_backward in one op: on CUDA it writes fold's adjoint directly)
+// (forward_backward then fold_backward in one op: on CUDA it skips the pooled gradient's zero rows)
 // or, when only x needs a gradient, forward_backward alone. Same sums in the same order, so the
 // same bits as the separate ops.
 //

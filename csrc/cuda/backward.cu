@@ -1,16 +1,11 @@
-// forward_backward and model_backward on CUDA: the arg-max backward of forward_with_argmax (DESIGN.md,
-// "Backward: only the arg-max carries gradient"). No GEMM, only O(B*K + N*K) memory traffic:
+// forward_backward on CUDA: the arg-max backward of forward_with_argmax (DESIGN.md, "Backward:
+// only the arg-max carries gradient"). No GEMM, only O(B*K + N*K) memory traffic:
 //
 //   dz[b]          = grad_out[b] * scale * gelu'(preactivation[b]) + grad_preactivation[b]
 //                    (each term only when given; fp32, scale rounded to float first)
 //   grad_x[b, :]   = dz[b] * weight[argmax[b], :]                         a gather
 //   grad_weight[n] = sum over rows b with argmax[b] == n, in increasing b, of dz[b] * x[b, :]
 //   grad_bias[n]   = sum over the same rows of dz[b]
-//
-// model_backward is forward_backward followed by fold_backward (grad_weight [O, K] = each pooled
-// row divided by k into the k rows of its group, zeros for the O % k tail): here the segment
-// kernels write those rows directly, with fold_backward's arithmetic (SegmentOutput), and the
-// empty segments' zeros in blocks of their own (EmptyGroups).
 //
 // Determinism: no float atomics. The rows are grouped by arg-max with a stable counting sort of our
 // own (group_rows: one block, no host sync, in the launch that gathers grad_x), and every sum runs
@@ -73,8 +68,10 @@ static_assert(kSegmentTileRows + 2 <= kSegmentThreads, "one thread stages each r
 
 // Segment reduction, second kernel (segment_pieces_kernel): adds the pieces of each segment that
 // spans tiles, kPieceBatch piece loads in flight at a time (a segment of all 4096 rows has 128
-// pieces).
+// pieces); for forward_backward, blocks of kZeroSegments segments also zero the empty ones.
 constexpr int kPieceBatch = 16;
+constexpr int kZeroSegments = 32;
+static_assert(kZeroSegments + 1 <= kSegmentThreads, "one thread stages each segment start");
 
 // Grouping rows by arg-max (group_rows): one block of kGroupThreads threads sorts tiles of
 // kGroupTileRows rows. 512 x 8: the kernel's shared memory (cub's block radix sort of 4096 32-bit
@@ -214,7 +211,7 @@ __device__ __forceinline__ auto& sort_storage(GroupTemp& temp) {
   }
 }
 
-// The arrays group_rows writes (see there; allocated in argmax_backward).
+// The arrays group_rows writes (see there; allocated in pooled_gradients).
 struct Grouping {
   int64_t* segment_starts;
   int64_t* cursor;
@@ -417,100 +414,54 @@ __global__ void __launch_bounds__(kGroupThreads, 2)
   }
 }
 
-// Where the segment sums go. forward_backward: the pooled gradient, row n of grad_weight [N, K]
-// and grad_bias[n] (rows_per_segment = 1). model_backward: fold's adjoint at once, the k rows
-// n k .. n k + k - 1 of the Linear-shaped grad_weight [O, K] and grad_bias [O] (rows_per_segment =
-// k), each fold_adjoint of the pooled value (fold_backward's arithmetic, so the bits are those of
-// forward_backward then fold_backward); the pooled gradient is neither written nor read back.
-template <typename scalar_t>
-struct SegmentOutput {
-  scalar_t* grad_weight;
-  scalar_t* grad_bias;
-  int64_t in_features;
-  int64_t rows_per_segment;
-
-  __device__ __forceinline__ void weight(int64_t n, int64_t col, float sum) const {
-    const scalar_t value = fold_adjoint(static_cast<scalar_t>(sum), rows_per_segment);
-    scalar_t* dst = grad_weight + n * rows_per_segment * in_features + col;
-    for (int64_t r = 0; r < rows_per_segment; ++r) dst[r * in_features] = value;
-  }
-  __device__ __forceinline__ void bias(int64_t n, float sum) const {
-    const scalar_t value = fold_adjoint(static_cast<scalar_t>(sum), rows_per_segment);
-    for (int64_t r = 0; r < rows_per_segment; ++r) grad_bias[n * rows_per_segment + r] = value;
-  }
-};
-
-// segment_tiles_kernel's tile blocks (see sum_tile).
-template <typename scalar_t>
-struct TileArgs {
-  const scalar_t* x;
-  int64_t x_stride0;
-  int64_t x_stride1;
-  const int64_t* order;
-  const int64_t* sorted_segment;
-  const float* sorted_dz;
-  float* pieces;
-  float* bias_pieces;
-  int64_t batch;
-  int64_t chunks;  // of kSegmentThreads columns
-};
-
-// The rows of the weight and bias gradients that no sum reaches: those of the empty segments (no
-// row of the batch has that arg-max) and, in model_backward, the O % k tail rows that AvgPool1d
-// drops. Group g < pooled is segment g's rows_per_segment rows, group `pooled` (when there is one)
-// the tail. segment_tiles_kernel writes them as zeros in blocks after its tile blocks: they need
-// only the grouping, so they overlap the tiles' loads instead of following them, and in
-// model_backward they are most of the 256 MB it writes at the default shape (~470 of 512 segments
-// are empty at B = 1024 on the benchmarks' data).
-struct EmptyGroups {
-  const int64_t* segment_starts;
-  int64_t pooled;
-  int64_t total_rows;  // grad_weight's: pooled, or out_features
-  int64_t chunks;      // of kSegmentThreads * VEC columns, >= 1 (so that the bias is written)
-};
-
-// Tile block (tile, chunk) of the segment reduction's first pass: sorted positions tile * R ..
-// tile * R + rows - 1 (R = kSegmentTileRows), columns chunk * kSegmentThreads + t. Segment n is
+// Block (tile, chunk) of the segment reduction's first pass: sorted positions tile * R .. tile * R +
+// rows - 1 (R = kSegmentTileRows), columns chunk * kSegmentThreads + t. Segment n is
 // order[segment_starts[n] .. segment_starts[n + 1]): the rows b with argmax[b] == n in increasing b
 // (group_rows). Each run of the tile's rows in one segment (a piece) is summed left to right
 // from zero, acc += dz[b] * x[b, col] (each product rounded, no FMA), and goes to
-//   pieces[tile][0]   when the segment has rows before the tile (it is the tile's first),
-//   pieces[tile][1]   when it has rows after the tile but none before (the tile's last),
-//   `out` itself      when all of its rows are in this tile: the piece is the whole sum.
-// The bias the same way from dz alone (thread 0 of chunk 0, bias_pieces). Rows in no segment (an
+//   pieces[tile][0]        when the segment has rows before the tile (it is the tile's first),
+//   pieces[tile][1]        when it has rows after the tile but none before (the tile's last),
+//   grad_weight[n] itself  when all of its rows are in this tile: the piece is the whole sum.
+// grad_bias the same way from dz alone (thread 0 of chunk 0, bias_pieces). Rows in no segment (an
 // arg-max out of range) are sorted last, so the tile's rows are its first `rows` positions and a
 // block past them has nothing to do. The tile comes from group_rows' per-position arrays (row,
 // segment, dz) in one round trip, then its x values in a second.
 template <typename scalar_t>
-__device__ __forceinline__ void sum_tile(const TileArgs<scalar_t>& a,
-                                         const SegmentOutput<scalar_t>& out, int64_t block) {
+__global__ void __launch_bounds__(kSegmentThreads)
+    segment_tiles_kernel(const scalar_t* __restrict__ x, int64_t x_stride0, int64_t x_stride1,
+                         const int64_t* __restrict__ order,
+                         const int64_t* __restrict__ sorted_segment,
+                         const float* __restrict__ sorted_dz, scalar_t* __restrict__ grad_weight,
+                         scalar_t* __restrict__ grad_bias, float* __restrict__ pieces,
+                         float* __restrict__ bias_pieces, int64_t batch, int64_t in_features,
+                         int64_t chunks) {
   __shared__ int64_t row_offset[kSegmentTileRows];  // b * x_stride0 of the tile's rows
   __shared__ float row_dz_tile[kSegmentTileRows];
   // The segments of the row before the tile, of its rows, and of the row after it (-1: none).
   __shared__ int64_t row_segment[kSegmentTileRows + 2];
 
-  const int64_t tile = block / a.chunks;
-  const int64_t chunk = block - tile * a.chunks;
+  const int64_t tile = blockIdx.x / chunks;
+  const int64_t chunk = blockIdx.x - tile * chunks;
   const int64_t tile_start = tile * kSegmentTileRows;
   const int t = static_cast<int>(threadIdx.x);
   bool in_tile = false;  // thread t stages a row of the tile that is in a segment
   if (t < kSegmentTileRows + 2) {
     const int64_t position = tile_start - 1 + t;
     int64_t segment = -1;
-    if (position >= 0 && position < a.batch) {
-      segment = a.sorted_segment[position];
+    if (position >= 0 && position < batch) {
+      segment = sorted_segment[position];
       if (t >= 1 && t <= kSegmentTileRows) {
-        row_offset[t - 1] = a.order[position] * a.x_stride0;
-        row_dz_tile[t - 1] = a.sorted_dz[position];
+        row_offset[t - 1] = order[position] * x_stride0;
+        row_dz_tile[t - 1] = sorted_dz[position];
         in_tile = segment >= 0;
       }
     }
     row_segment[t] = segment;
   }
   const int64_t col = chunk * kSegmentThreads + t;
-  const bool has_col = col < out.in_features;
+  const bool has_col = col < in_features;
   const bool writes_bias = chunk == 0 && t == 0;
-  const scalar_t* x_col = a.x + col * a.x_stride1;  // dereferenced only when has_col
+  const scalar_t* x_col = x + col * x_stride1;  // dereferenced only when has_col
   const int rows = __syncthreads_count(in_tile);  // and the tile is staged
   if (rows == 0) return;  // block-uniform
 
@@ -536,11 +487,11 @@ __device__ __forceinline__ void sum_tile(const TileArgs<scalar_t>& a,
     const bool into_after = end == rows && row_segment[rows + 1] == n;
     if (from_before || into_after) {
       const int64_t slot = 2 * tile + (from_before ? 0 : 1);
-      if (has_col) a.pieces[slot * out.in_features + col] = acc;
-      if (writes_bias) a.bias_pieces[slot] = bias_acc;
+      if (has_col) pieces[slot * in_features + col] = acc;
+      if (writes_bias) bias_pieces[slot] = bias_acc;
     } else {
-      if (has_col) out.weight(n, col, acc);
-      if (writes_bias) out.bias(n, bias_acc);
+      if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(acc);
+      if (writes_bias) grad_bias[n] = static_cast<scalar_t>(bias_acc);
     }
   };
   float acc = 0.0f;
@@ -577,71 +528,49 @@ __device__ __forceinline__ void sum_tile(const TileArgs<scalar_t>& a,
   store_piece(first, rows, acc, bias_acc);
 }
 
-// Empty-group block (g, chunk): zeros for group g's rows (see EmptyGroups) over the columns of
-// chunk, as 16-byte streaming stores when VEC > 1 (the rows are far larger than L2 in
-// model_backward, and no kernel of the call reads them). Returns at once for a non-empty segment.
-// VEC > 1 requires in_features % VEC == 0 and a 16-byte aligned grad_weight.
-template <typename scalar_t, int VEC>
-__device__ __forceinline__ void zero_empty_group(const EmptyGroups& e,
-                                                 const SegmentOutput<scalar_t>& out,
-                                                 int64_t block) {
-  const int64_t g = block / e.chunks;
-  const int64_t chunk = block - g * e.chunks;
-  if (g < e.pooled && e.segment_starts[g] != e.segment_starts[g + 1]) return;  // block-uniform
-  const int64_t first_row = g * out.rows_per_segment;
-  const int64_t rows = std::min(out.rows_per_segment, e.total_rows - first_row);
-  const int64_t col = (chunk * kSegmentThreads + threadIdx.x) * VEC;
-  if (col < out.in_features) {
-    AlignedVector<scalar_t, VEC> zeros;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) zeros.val[j] = scalar_t(0);
-    scalar_t* dst = out.grad_weight + first_row * out.in_features + col;
-#pragma unroll 4
-    for (int64_t r = 0; r < rows; ++r) {
-      store_vector<scalar_t, VEC, /*kStreaming=*/true>(dst + r * out.in_features, zeros);
-    }
-  }
-  if (chunk == 0) {
-    for (int64_t r = threadIdx.x; r < rows; r += kSegmentThreads) {
-      out.grad_bias[first_row + r] = scalar_t(0);
-    }
-  }
-}
-
-// One launch, two jobs: blocks 0 .. tile_blocks - 1 sum the tiles (sum_tile), the others zero the
-// empty groups (zero_empty_group). The tile blocks come first, so that they are scheduled first:
-// each waits on two dependent round trips to memory, and the zeros' stores fill the time. 4 blocks
-// per SM, as before the zero blocks were added (64 registers; ptxas would take 74 and leave 3).
-template <typename scalar_t, int VEC>
-__global__ void __launch_bounds__(kSegmentThreads, 4)
-    segment_tiles_kernel(const TileArgs<scalar_t> a, const EmptyGroups e,
-                         const SegmentOutput<scalar_t> out, int64_t tile_blocks) {
-  if (blockIdx.x < tile_blocks) {
-    sum_tile<scalar_t>(a, out, blockIdx.x);
-  } else {
-    zero_empty_group<scalar_t, VEC>(e, out, static_cast<int64_t>(blockIdx.x) - tile_blocks);
-  }
-}
-
-// Block (tile, chunk) of the second pass: the segment whose rows start in tile t0 = tile and go on
-// past it, if there is one (the tile's last segment; every segment that spans tiles has exactly one
-// such block), over columns chunk * kSegmentThreads + t. Its sum, left to right: pieces[t0][1] (its
-// rows in t0) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first segment of every later tile it
-// reaches), kPieceBatch loads in flight. Segments inside one tile were written by sum_tile. The
-// spanning segments are summed side by side, one block each: a block that walked 32 segments in
-// turn took 8 us at B = 1024 (benchmarks/NOTES.md).
+// Block (zero_groups + tile, chunk) of the second pass: the segment whose rows start in tile t0 =
+// tile and go on past it, if there is one (the tile's last segment; every segment that spans tiles
+// has exactly one such block), over columns chunk * kSegmentThreads + t. Its sum, left to right:
+// pieces[t0][1] (its rows in t0) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first segment of
+// every later tile it reaches), kPieceBatch loads in flight. Segments inside one tile were written
+// by segment_tiles_kernel. The spanning segments are summed side by side, one block each: a block
+// that walked 32 segments in turn took 8 us at B = 1024 (benchmarks/NOTES.md).
+// With zero_empty_segments (forward_backward: every pooled row is an output), zero_groups more
+// blocks come first (scheduled first, so that they overlap the sums instead of trailing them):
+// block (g, chunk) writes zeros to the empty segments among g * kZeroSegments .. (g + 1) *
+// kZeroSegments - 1. model_backward has none and leaves those rows unwritten (fold_backward_of
+// reads no row of an empty segment).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSegmentThreads)
     segment_pieces_kernel(const int64_t* __restrict__ sorted_segment,
                           const int64_t* __restrict__ segment_starts,
                           const float* __restrict__ pieces, const float* __restrict__ bias_pieces,
-                          const SegmentOutput<scalar_t> out, int64_t batch, int64_t chunks) {
-  const int64_t tile = blockIdx.x / chunks;
-  const int64_t chunk = blockIdx.x - tile * chunks;
+                          scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
+                          int64_t batch, int64_t pooled, int64_t in_features,
+                          int64_t zero_groups, int64_t chunks) {
+  const int64_t group = blockIdx.x / chunks;
+  const int64_t chunk = blockIdx.x - group * chunks;
   const int64_t col = chunk * kSegmentThreads + threadIdx.x;
-  const int64_t in_features = out.in_features;
   const bool has_col = col < in_features;
   const bool writes_bias = chunk == 0 && threadIdx.x == 0;
+  if (group < zero_groups) {  // block-uniform
+    __shared__ int64_t starts[kZeroSegments + 1];
+    const int64_t first_segment = group * kZeroSegments;
+    const int segments =
+        static_cast<int>(std::min<int64_t>(pooled - first_segment, kZeroSegments));
+    if (static_cast<int>(threadIdx.x) <= segments) {
+      starts[threadIdx.x] = segment_starts[first_segment + threadIdx.x];  // index <= pooled
+    }
+    __syncthreads();
+    for (int j = 0; j < segments; ++j) {
+      if (starts[j] != starts[j + 1]) continue;
+      const int64_t n = first_segment + j;
+      if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(0.0f);
+      if (writes_bias) grad_bias[n] = static_cast<scalar_t>(0.0f);
+    }
+    return;
+  }
+  const int64_t tile = group - zero_groups;
   const int64_t first = tile * kSegmentTileRows;  // the tile's first sorted position
   const int64_t last = first + kSegmentTileRows - 1;
   if (last + 1 >= batch) return;  // no later tile (block-uniform, as every test below)
@@ -673,8 +602,8 @@ __global__ void __launch_bounds__(kSegmentThreads)
       }
     }
   }
-  if (has_col) out.weight(n, col, acc);
-  if (writes_bias) out.bias(n, bias_acc);
+  if (has_col) grad_weight[n * in_features + col] = static_cast<scalar_t>(acc);
+  if (writes_bias) grad_bias[n] = static_cast<scalar_t>(bias_acc);
 }
 
 template <typename scalar_t>
@@ -720,25 +649,35 @@ bool gather_is_vectorizable(const at::Tensor& weight, const at::Tensor& grad_x, 
          is_aligned(grad_x.const_data_ptr(), kVectorBytes);
 }
 
-// The arg-max backward for inputs already checked on the current device: grad_x, and the weight and
-// bias gradients as SegmentOutput writes them: pooled (forward_backward: out_features = pooled,
-// k = 1) or fold's adjoint of those (model_backward: [out_features, K] and [out_features]). op names
-// the calling op in errors.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_backward(
-    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_preactivation,
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& argmax,
-    const at::Tensor& preactivation, double scale, int64_t out_features, int64_t k,
-    const char* op) {
+// The arg-max backward into the pooled gradient (forward_backward's outputs), for inputs already
+// checked on the current device. The rows of grad_weight and the entries of grad_bias whose segment
+// is empty get no sum: with zero_empty_segments (forward_backward) segment_pieces_kernel zeroes
+// them, without (model_backward) they are left unwritten and `grouping` holds segment_starts (its
+// first pooled + 1 entries) for the caller. op names the calling op in errors.
+struct PooledGradients {
+  at::Tensor grad_x, grad_weight, grad_bias;
+  at::Tensor grouping;                    // undefined for an empty batch
+  const int64_t* segment_starts = nullptr;  // into grouping; nullptr: every row was written
+};
+
+PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
+                                 const std::optional<at::Tensor>& grad_preactivation,
+                                 const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& argmax, const at::Tensor& preactivation,
+                                 double scale, bool zero_empty_segments, const char* op) {
   const int64_t batch = x.size(0);
   const int64_t in_features = x.size(1);
   const int64_t pooled = weight.size(0);  // >= 1 (check_forward_inputs)
-  at::Tensor grad_x = at::empty({batch, in_features}, x.options());
+  PooledGradients result;
+  result.grad_x = at::empty({batch, in_features}, x.options());
   if (batch == 0) {
-    return {grad_x, at::zeros({out_features, in_features}, weight.options()),
-            at::zeros({out_features}, weight.options())};
+    result.grad_weight = at::zeros({pooled, in_features}, weight.options());
+    result.grad_bias = at::zeros({pooled}, weight.options());
+    return result;
   }
-  at::Tensor grad_weight = at::empty({out_features, in_features}, weight.options());
-  at::Tensor grad_bias = at::empty({out_features}, weight.options());
+  at::Tensor& grad_x = result.grad_x;
+  at::Tensor& grad_weight = result.grad_weight = at::empty({pooled, in_features}, weight.options());
+  at::Tensor& grad_bias = result.grad_bias = at::empty({pooled}, weight.options());
 
   // Rows grouped by arg-max, increasing b within a group (group_rows): segment n is
   // order[segment_starts[n] .. segment_starts[n + 1]). One int64 allocation holds segment_starts
@@ -747,18 +686,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_backward(
   TORCH_CHECK(pooled < int64_t{0xffffffff}, "fused_pool_gelu.", op,
               ": the pooled weight must have fewer than 2^32 - 1 rows on cuda, got shape ",
               weight.sizes());
-  const at::Tensor grouping_storage =
-      at::empty({2 * (pooled + 1) + 2 * batch}, argmax.options());
+  result.grouping = at::empty({2 * (pooled + 1) + 2 * batch}, argmax.options());
   Grouping grouping;
-  grouping.segment_starts = grouping_storage.mutable_data_ptr<int64_t>();
+  grouping.segment_starts = result.grouping.mutable_data_ptr<int64_t>();
   grouping.cursor = grouping.segment_starts + pooled + 1;
   grouping.order = grouping.cursor + pooled + 1;
   grouping.sorted_segment = grouping.order + batch;
+  const int64_t* segment_starts = grouping.segment_starts;
+  if (!zero_empty_segments) result.segment_starts = segment_starts;
   int key_bits = 0;  // bits of `pooled`, the largest key
   while (key_bits < 32 && (pooled >> key_bits) != 0) ++key_bits;
-  // One float allocation holds the segment reduction's pieces (sum_tile: two per tile of sorted
-  // rows, each a row of in_features floats, 8 MB at B = 4096, K = 8192), their bias pieces, and the
-  // grouping's sorted_dz [batch].
+  // One float allocation holds the segment reduction's pieces (segment_tiles_kernel: two per tile
+  // of sorted rows, each a row of in_features floats, 8 MB at B = 4096, K = 8192), their bias
+  // pieces, and the grouping's sorted_dz [batch].
   const int64_t piece_slots = 2 * ceil_div<int64_t>(batch, kSegmentTileRows);
   const at::Tensor float_storage =
       at::empty({piece_slots * (in_features + 1) + batch}, x.options().dtype(at::kFloat));
@@ -778,39 +718,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_backward(
       launch_group_rows_and_grad_x<scalar_t, 1>(dz_in, argmax, key_bits, grouping, weight, grad_x);
     }
 
-    const SegmentOutput<scalar_t> out{grad_weight.mutable_data_ptr<scalar_t>(),
-                                      grad_bias.mutable_data_ptr<scalar_t>(), in_features, k};
     // At least one chunk, so that in_features == 0 still writes grad_bias.
     const int64_t chunks = std::max<int64_t>(ceil_div<int64_t>(in_features, kSegmentThreads), 1);
     const int64_t tiles = ceil_div<int64_t>(batch, kSegmentTileRows);  // sorted rows <= batch
-    const TileArgs<scalar_t> tile_args{
-        x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1), grouping.order,
-        grouping.sorted_segment, grouping.sorted_dz, pieces, bias_pieces, batch, chunks};
-    const int64_t groups = ceil_div<int64_t>(out_features, k);  // pooled, + 1 with a tail
-    auto launch_tiles = [&](auto vec) {
-      constexpr int VEC = decltype(vec)::value;
-      const EmptyGroups empty{
-          grouping.segment_starts, pooled, out_features,
-          std::max<int64_t>(ceil_div<int64_t>(in_features, kSegmentThreads * VEC), 1)};
-      segment_tiles_kernel<scalar_t, VEC>
-          <<<grid_blocks(tiles * chunks + groups * empty.chunks, 1), kSegmentThreads, 0,
-             c10::cuda::getCurrentCUDAStream()>>>(tile_args, empty, out, tiles * chunks);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    // grad_weight is fresh and contiguous: its rows are 16-byte aligned when its start is and
-    // in_features % kVec == 0.
-    if (in_features % kVec == 0 && is_aligned(grad_weight.const_data_ptr(), kVectorBytes)) {
-      launch_tiles(std::integral_constant<int, kVec>{});
-    } else {
-      launch_tiles(std::integral_constant<int, 1>{});
-    }
-    segment_pieces_kernel<scalar_t>
+    segment_tiles_kernel<scalar_t>
         <<<grid_blocks(tiles * chunks, 1), kSegmentThreads, 0,
-           c10::cuda::getCurrentCUDAStream()>>>(grouping.sorted_segment, grouping.segment_starts,
-                                                pieces, bias_pieces, out, batch, chunks);
+           c10::cuda::getCurrentCUDAStream()>>>(
+            x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1), grouping.order,
+            grouping.sorted_segment, grouping.sorted_dz, grad_weight.mutable_data_ptr<scalar_t>(),
+            grad_bias.mutable_data_ptr<scalar_t>(), pieces, bias_pieces, batch, in_features,
+            chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t zero_groups =
+        zero_empty_segments ? ceil_div<int64_t>(pooled, kZeroSegments) : 0;
+    segment_pieces_kernel<scalar_t>
+        <<<grid_blocks((tiles + zero_groups) * chunks, 1), kSegmentThreads, 0,
+           c10::cuda::getCurrentCUDAStream()>>>(
+            grouping.sorted_segment, segment_starts, pieces, bias_pieces,
+            grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
+            batch, pooled, in_features, zero_groups, chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {grad_x, grad_weight, grad_bias};
+  return result;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
@@ -820,14 +749,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
   check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation);
   check_dtype_in("forward_backward", "x", x, {at::kFloat, at::kHalf, at::kBFloat16}, kDtypeText);
   const c10::cuda::CUDAGuard device_guard(x.device());
-  return argmax_backward(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale,
-                         /*out_features=*/weight.size(0), /*k=*/1, "forward_backward");
+  PooledGradients grads = pooled_gradients(grad_out, grad_preactivation, x, weight, argmax,
+                                           preactivation, scale, /*zero_empty_segments=*/true,
+                                           "forward_backward");
+  return {grads.grad_x, grads.grad_weight, grads.grad_bias};
 }
 
-// forward_backward, then fold_backward of its pooled gradient, in one pass: the segment kernels
-// write fold's adjoint directly (SegmentOutput with k rows per segment), so the pooled gradient
-// (16 MB at the default shape) is neither written nor read back, and the empty segments' zeros
-// (most of the 256 MB) are written beside the tiles' sums instead of after them.
+// forward_backward, then fold_backward of its pooled gradient, without writing the pooled rows of
+// empty segments (zeros, ~15 MB of the 16 MB at B = 1024 on the benchmarks' data, most of the
+// pieces kernel's time) or reading them back: fold_backward_of knows them from the grouping.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> model_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& pooled_weight,
     const at::Tensor& argmax, const at::Tensor& preactivation, double scale, int64_t out_features,
@@ -836,8 +766,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> model_backward_cuda(
                               pool_kernel_size);
   check_dtype_in("model_backward", "x", x, {at::kFloat, at::kHalf, at::kBFloat16}, kDtypeText);
   const c10::cuda::CUDAGuard device_guard(x.device());
-  return argmax_backward(grad_out, std::nullopt, x, pooled_weight, argmax, preactivation, scale,
-                         out_features, pool_kernel_size, "model_backward");
+  PooledGradients grads = pooled_gradients(grad_out, std::nullopt, x, pooled_weight, argmax,
+                                           preactivation, scale, /*zero_empty_segments=*/false,
+                                           "model_backward");
+  auto [grad_weight, grad_bias] = fold_backward_of(grads.grad_weight, grads.grad_bias, out_features,
+                                                   pool_kernel_size, grads.segment_starts);
+  return {grads.grad_x, grad_weight, grad_bias};
 }
 
 }  // namespace

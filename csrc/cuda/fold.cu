@@ -120,14 +120,20 @@ __global__ void __launch_bounds__(kFoldThreads)
 // O % k != 0 and writes zeros to the O - pooled*k tail rows, so grad_weight needs no separate
 // memset. The thread with v == 0 does the same for the bias. Each grad_pooled_weight element is
 // loaded once and divided once, then stored k times as full 16-byte, coalesced vectors.
+// With segment_starts (model_backward), pooled row n is zero where segment_starts[n] ==
+// segment_starts[n + 1] (no row of the batch has arg-max n) and is not read there: those rows of
+// grad_pooled_weight were never written.
 // VEC > 1 requires g_stride1 == 1, 16-byte aligned rows and in_features % VEC == 0.
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kFoldBackwardThreads)
     fold_backward_kernel(const scalar_t* __restrict__ grad_pooled_weight, int64_t g_stride0,
                          int64_t g_stride1, const scalar_t* __restrict__ grad_pooled_bias,
                          int64_t gb_stride, scalar_t* __restrict__ grad_weight,
-                         scalar_t* __restrict__ grad_bias, int64_t pooled, int64_t out_features, int64_t in_features, int64_t k, int64_t groups,
+                         scalar_t* __restrict__ grad_bias,
+                         const int64_t* __restrict__ segment_starts, int64_t pooled,
+                         int64_t out_features, int64_t in_features, int64_t k, int64_t groups,
                          int64_t vecs_per_row) {
+  using acc_t = at::opmath_type<scalar_t>;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kFoldBackwardThreads + threadIdx.x;
   if (item >= groups * vecs_per_row) return;
   const int64_t n = item / vecs_per_row;
@@ -135,16 +141,21 @@ __global__ void __launch_bounds__(kFoldBackwardThreads)
   const int64_t col = v * VEC;
   const int64_t first_row = n * k;
   const bool is_pooled = n < pooled;  // else the tail group: zeros
+  // Read the pooled row, or know it is zero.
+  const bool is_nonzero =
+      is_pooled && (segment_starts == nullptr || segment_starts[n] != segment_starts[n + 1]);
   // k for a pooled group; O - pooled*k (in 1 .. k-1) for the tail group.
   const int64_t rows = is_pooled ? k : out_features - first_row;
 
   if (col < in_features) {
     AlignedVector<scalar_t, VEC> out;
-    if (is_pooled) {
+    if (is_nonzero) {
       const AlignedVector<scalar_t, VEC> g =
           load_vector<scalar_t, VEC>(grad_pooled_weight + n * g_stride0 + col * g_stride1);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) out.val[j] = fold_adjoint(g.val[j], k);
+      for (int j = 0; j < VEC; ++j) {
+        out.val[j] = static_cast<scalar_t>(static_cast<acc_t>(g.val[j]) / static_cast<acc_t>(k));
+      }
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) out.val[j] = scalar_t(0);
@@ -157,7 +168,10 @@ __global__ void __launch_bounds__(kFoldBackwardThreads)
   }
 
   if (v == 0) {
-    const scalar_t b = is_pooled ? fold_adjoint(grad_pooled_bias[n * gb_stride], k) : scalar_t(0);
+    const scalar_t b =
+        is_nonzero ? static_cast<scalar_t>(static_cast<acc_t>(grad_pooled_bias[n * gb_stride]) /
+                                           static_cast<acc_t>(k))
+                   : scalar_t(0);
     for (int64_t r = 0; r < rows; ++r) grad_bias[first_row + r] = b;
   }
 }
@@ -182,7 +196,8 @@ void launch_fold(const at::Tensor& weight, const c10::optional<at::Tensor>& bias
 
 template <typename scalar_t, int VEC>
 void launch_fold_backward(const at::Tensor& grad_pooled_weight, const at::Tensor& grad_pooled_bias,
-                          int64_t k, at::Tensor& grad_weight, at::Tensor& grad_bias) {
+                          int64_t k, const int64_t* segment_starts, at::Tensor& grad_weight,
+                          at::Tensor& grad_bias) {
   const int64_t pooled = grad_pooled_weight.size(0);
   const int64_t in_features = grad_pooled_weight.size(1);
   const int64_t out_features = grad_weight.size(0);
@@ -195,8 +210,8 @@ void launch_fold_backward(const at::Tensor& grad_pooled_weight, const at::Tensor
           grad_pooled_weight.const_data_ptr<scalar_t>(), grad_pooled_weight.stride(0),
           grad_pooled_weight.stride(1), grad_pooled_bias.const_data_ptr<scalar_t>(),
           grad_pooled_bias.stride(0), grad_weight.mutable_data_ptr<scalar_t>(),
-          grad_bias.mutable_data_ptr<scalar_t>(), pooled, out_features, in_features, k, groups,
-          vecs_per_row);
+          grad_bias.mutable_data_ptr<scalar_t>(), segment_starts, pooled, out_features,
+          in_features, k, groups, vecs_per_row);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -233,6 +248,16 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_cuda(const at::Tensor& grad_poo
   check_dtype_in("fold_backward", "grad_pooled_weight", grad_pooled_weight,
                  {at::kFloat, at::kHalf, at::kBFloat16}, kDtypeText);
   const c10::cuda::CUDAGuard device_guard(grad_pooled_weight.device());
+  return fold_backward_of(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size,
+                          nullptr);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> fold_backward_of(const at::Tensor& grad_pooled_weight,
+                                                    const at::Tensor& grad_pooled_bias,
+                                                    int64_t out_features, int64_t pool_kernel_size,
+                                                    const int64_t* segment_starts) {
   const int64_t k = pool_kernel_size;
   at::Tensor grad_weight =
       at::empty({out_features, grad_pooled_weight.size(1)}, grad_pooled_weight.options());
@@ -246,17 +271,16 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_cuda(const at::Tensor& grad_poo
     // in_features % kVec == 0, which rows_are_vectorizable(grad_pooled_weight) implies.
     if (rows_are_vectorizable(grad_pooled_weight, kVec) &&
         is_aligned(grad_weight.const_data_ptr(), kVectorBytes)) {
-      launch_fold_backward<scalar_t, kVec>(grad_pooled_weight, grad_pooled_bias, k, grad_weight,
-                                           grad_bias);
+      launch_fold_backward<scalar_t, kVec>(grad_pooled_weight, grad_pooled_bias, k, segment_starts,
+                                           grad_weight, grad_bias);
     } else {
-      launch_fold_backward<scalar_t, 1>(grad_pooled_weight, grad_pooled_bias, k, grad_weight,
-                                        grad_bias);
+      launch_fold_backward<scalar_t, 1>(grad_pooled_weight, grad_pooled_bias, k, segment_starts,
+                                        grad_weight, grad_bias);
     }
   });
   return {grad_weight, grad_bias};
 }
 
-}  // namespace
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {

@@ -1,22 +1,24 @@
-// fold_backward's arithmetic, shared by fold.cu's fold_backward_kernel and backward.cu's segment
-// kernels (which write fold's adjoint of the pooled gradient directly for model_backward), so that
-// model_backward gives the bits of forward_backward then fold_backward.
+// fold_backward's CUDA kernel as a C++ call, shared by the fold_backward op (fold.cu) and
+// model_backward (backward.cu), so that both write the weight gradient with the same kernel.
 #pragma once
 
-#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <tuple>
 
 namespace fused_pool_gelu {
 namespace cuda {
 
-// Row r of pool group n of the weight gradient from the pooled gradient g of row n: g / k, computed
-// in the op-math type and rounded once. k == 1 returns g itself (the division is exact).
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t fold_adjoint(scalar_t g, int64_t k) {
-  using acc_t = at::opmath_type<scalar_t>;
-  return static_cast<scalar_t>(static_cast<acc_t>(g) / static_cast<acc_t>(k));
-}
+// (grad_weight [out_features, K], grad_bias [out_features]) = fold's adjoint of the pooled gradient
+// [out_features // k, K], [out_features // k] (see fold.cu). Inputs already checked, current device
+// set. With segment_starts (a device array of out_features // k + 1 entries, the arg-max
+// grouping's), pooled row n is taken as zero wherever segment_starts[n] == segment_starts[n + 1]
+// and is not read there.
+std::tuple<at::Tensor, at::Tensor> fold_backward_of(const at::Tensor& grad_pooled_weight,
+                                                    const at::Tensor& grad_pooled_bias,
+                                                    int64_t out_features, int64_t pool_kernel_size,
+                                                    const int64_t* segment_starts);
 
 }  // namespace cuda
 }  // namespace fused_pool_gelu
