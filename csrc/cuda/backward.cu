@@ -680,13 +680,19 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   at::Tensor& grad_bias = result.grad_bias = at::empty({pooled}, weight.options());
 
   // Rows grouped by arg-max, increasing b within a group (group_rows): segment n is
-  // order[segment_starts[n] .. segment_starts[n + 1]). One int64 allocation holds segment_starts
-  // [pooled + 1], the cursors [pooled + 1], order [batch] and sorted_segment [batch] (each
-  // allocation costs host time in every training step).
+  // order[segment_starts[n] .. segment_starts[n + 1]). One allocation (each costs host time in
+  // every training step) holds the int64 arrays segment_starts [pooled + 1], the cursors
+  // [pooled + 1], order [batch] and sorted_segment [batch], then the float arrays: the segment
+  // reduction's pieces (segment_tiles_kernel: two per tile of sorted rows, each a row of
+  // in_features floats, 8 MB at B = 4096, K = 8192), their bias pieces, and the grouping's
+  // sorted_dz [batch].
   TORCH_CHECK(pooled < int64_t{0xffffffff}, "fused_pool_gelu.", op,
               ": the pooled weight must have fewer than 2^32 - 1 rows on cuda, got shape ",
               weight.sizes());
-  result.grouping = at::empty({2 * (pooled + 1) + 2 * batch}, argmax.options());
+  const int64_t grouping_ints = 2 * (pooled + 1) + 2 * batch;
+  const int64_t piece_slots = 2 * ceil_div<int64_t>(batch, kSegmentTileRows);
+  const int64_t floats = piece_slots * (in_features + 1) + batch;
+  result.grouping = at::empty({grouping_ints + ceil_div<int64_t>(floats, 2)}, argmax.options());
   Grouping grouping;
   grouping.segment_starts = result.grouping.mutable_data_ptr<int64_t>();
   grouping.cursor = grouping.segment_starts + pooled + 1;
@@ -696,13 +702,7 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   if (!zero_empty_segments) result.segment_starts = segment_starts;
   int key_bits = 0;  // bits of `pooled`, the largest key
   while (key_bits < 32 && (pooled >> key_bits) != 0) ++key_bits;
-  // One float allocation holds the segment reduction's pieces (segment_tiles_kernel: two per tile
-  // of sorted rows, each a row of in_features floats, 8 MB at B = 4096, K = 8192), their bias
-  // pieces, and the grouping's sorted_dz [batch].
-  const int64_t piece_slots = 2 * ceil_div<int64_t>(batch, kSegmentTileRows);
-  const at::Tensor float_storage =
-      at::empty({piece_slots * (in_features + 1) + batch}, x.options().dtype(at::kFloat));
-  float* pieces = float_storage.mutable_data_ptr<float>();
+  float* pieces = reinterpret_cast<float*>(grouping.segment_starts + grouping_ints);
   float* bias_pieces = pieces + piece_slots * in_features;
   grouping.sorted_dz = bias_pieces + piece_slots;
 

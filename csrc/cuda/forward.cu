@@ -652,10 +652,15 @@ cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStre
 // Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the rows' norms and the
 // selection, each a programmatic dependent of the one before. Returns the selection: [batch]
 // candidate counts (-1: every column), then [batch, kMaxCandidates] candidate columns.
-at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
-                            const float* bias, float scale, int64_t batch, int64_t n,
-                            int64_t k_padded, const at::TensorOptions& options,
-                            cudaStream_t stream) {
+struct Selection {
+  at::Tensor workspace;  // float32; the selection's ints from `offset` on
+  int64_t offset;
+  int* data() const { return reinterpret_cast<int*>(workspace.mutable_data_ptr<float>() + offset); }
+};
+Selection certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
+                           const float* bias, float scale, int64_t batch, int64_t n,
+                           int64_t k_padded, const at::TensorOptions& options,
+                           cudaStream_t stream) {
   const int64_t tiles =
       ceil_div(batch, int64_t{fg::kPass1BlockM}) * ceil_div(n, int64_t{fg::kPass1BlockN});
   // One CTA per SM (the kernel's shared memory); the whole split is one tensor-core chain.
@@ -664,16 +669,19 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
                              std::min(kCertifiedMaxSplits, kMaxWorkspaceFloats / (batch * n))) *
       fg::kPass1BlockK;
   const int64_t splits = ceil_div(k_padded, k_per_split);
-  // Freed on return: the caching allocator reuses it only after this stream's kernels. The
-  // partials, the x and weight rows' split sums of squares and of squared residuals, then the
-  // weight and x norms (float pairs: an even offset keeps them 8-byte aligned).
+  // One allocation (each costs host time in every call), freed on return: the caching allocator
+  // reuses it only after this stream's kernels. The partials, the x and weight rows' split sums of
+  // squares and of squared residuals, the weight and x norms (float pairs: an even offset keeps
+  // them 8-byte aligned), then the selection's ints, which the caller keeps.
   const int64_t sums_floats = splits * (batch * n + 2 * batch + 2 * n);
   const int64_t norms_offset = sums_floats + sums_floats % 2;
-  at::Tensor workspace =
-      at::empty({norms_offset + 2 * (n + batch)}, options.dtype(at::kFloat));
-  at::Tensor selection =
-      at::empty({batch * (1 + certified::kMaxCandidates)}, options.dtype(at::kInt));
-  float* partial = workspace.data_ptr<float>();
+  const int64_t selection_offset = norms_offset + 2 * (n + batch);
+  const int64_t selection_ints = batch * (1 + certified::kMaxCandidates);
+  static_assert(sizeof(int) == sizeof(float), "the selection's ints share the float allocation");
+  Selection selection;
+  selection.workspace = at::empty({selection_offset + selection_ints}, options.dtype(at::kFloat));
+  selection.offset = selection_offset;
+  float* partial = selection.workspace.data_ptr<float>();
 
   fg::GemmParams gemm = gemm_params(x, w, partial, batch, n, k_padded, k_per_split, 0, batch);
   gemm.x_sumsq = partial + splits * batch * n;
@@ -712,7 +720,7 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
   select.batch = batch;
   select.n = n;
   select.bound = bound;
-  select.count = selection.data_ptr<int>();
+  select.count = selection.data();
   select.candidates = select.count + batch;
   cudaLaunchAttribute attribute{};
   cudaLaunchConfig_t config =
@@ -723,7 +731,7 @@ at::Tensor certified_select(const DeviceInfo& info, const Operand& x, const Oper
 }
 
 void certified_rescore(const Operand& x, const Operand& w, const float* bias, float scale,
-                       int64_t batch, int64_t n, int64_t k_padded, const at::Tensor& selection,
+                       int64_t batch, int64_t n, int64_t k_padded, const Selection& selection,
                        at::Tensor& out, at::Tensor& argmax, at::Tensor& preactivation,
                        cudaStream_t stream) {
   certified::RescoreParams rescore{};
@@ -736,7 +744,7 @@ void certified_rescore(const Operand& x, const Operand& w, const float* bias, fl
   rescore.scale = scale;
   rescore.batch = batch;
   rescore.n = n;
-  rescore.count = selection.const_data_ptr<int>();
+  rescore.count = selection.data();
   rescore.candidates = rescore.count + batch;
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config =
@@ -810,8 +818,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   if (k > 0 && use_certified(info, x, weight, batch, n, k_padded, scale)) {
     const float* bias_data = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
     const float scale_f32 = static_cast<float>(scale);
-    const at::Tensor selection = certified_select(info, x_op, w_op, bias_data, scale_f32, batch, n,
-                                                  k_padded, x.options(), stream);
+    const Selection selection = certified_select(info, x_op, w_op, bias_data, scale_f32, batch, n,
+                                                 k_padded, x.options(), stream);
     certified_rescore(x_op, w_op, bias_data, scale_f32, batch, n, k_padded, selection, out,
                       argmax, preactivation, stream);
     return {out, argmax, preactivation};
@@ -884,11 +892,11 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const Operand x_op = as_kernel_operand(x, k_padded);
   const Operand w_op = as_kernel_operand(weight, k_padded);
-  const at::Tensor selection = certified_select(
+  const Selection selection = certified_select(
       info, x_op, w_op, bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr,
       static_cast<float>(scale), batch, n, k_padded, x.options(),
       c10::cuda::getCurrentCUDAStream());
-  return selection.narrow(0, 0, batch).clone();
+  return selection.workspace.narrow(0, selection.offset, batch).view(at::kInt).clone();
 }
 
 }  // namespace
