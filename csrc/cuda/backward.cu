@@ -404,6 +404,8 @@ __global__ void __launch_bounds__(kGroupThreads, 2)
                                  const scalar_t* __restrict__ weight, int64_t w_stride0,
                                  int64_t w_stride1, scalar_t* __restrict__ grad_x,
                                  int64_t in_features, int64_t warps_per_row) {
+  allow_dependent_launch();
+  wait_for_previous_grid();
   if (blockIdx.x == 0) {
     group_rows<scalar_t>(
         GroupRowsArgs<scalar_t>{dz_in, argmax, argmax_stride, batch, pooled, key_bits, grouping});
@@ -435,6 +437,8 @@ __global__ void __launch_bounds__(kSegmentThreads)
                          scalar_t* __restrict__ grad_bias, float* __restrict__ pieces,
                          float* __restrict__ bias_pieces, int64_t batch, int64_t in_features,
                          int64_t chunks) {
+  allow_dependent_launch();
+  wait_for_previous_grid();
   __shared__ int64_t row_offset[kSegmentTileRows];  // b * x_stride0 of the tile's rows
   __shared__ float row_dz_tile[kSegmentTileRows];
   // The segments of the row before the tile, of its rows, and of the row after it (-1: none).
@@ -548,6 +552,8 @@ __global__ void __launch_bounds__(kSegmentThreads)
                           scalar_t* __restrict__ grad_weight, scalar_t* __restrict__ grad_bias,
                           int64_t batch, int64_t pooled, int64_t in_features,
                           int64_t zero_groups, int64_t chunks) {
+  allow_dependent_launch();
+  wait_for_previous_grid();
   const int64_t group = blockIdx.x / chunks;
   const int64_t chunk = blockIdx.x - group * chunks;
   const int64_t col = chunk * kSegmentThreads + threadIdx.x;
@@ -625,21 +631,22 @@ DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
 template <typename scalar_t, int VEC>
 void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
                                   int key_bits, const Grouping& grouping, const at::Tensor& weight,
-                                  at::Tensor& grad_x) {
+                                  at::Tensor& grad_x, bool dependent) {
   const int64_t batch = grad_x.size(0);
   const int64_t in_features = grad_x.size(1);
   const int64_t warps_per_row =
       ceil_div<int64_t>(ceil_div<int64_t>(in_features, VEC), kWarpSize * kGatherVectorsPerLane);
   // warps_per_row == 0 when in_features == 0: block 0 alone. One block more than the gather needs.
   const int64_t gather_threads = batch * warps_per_row * kWarpSize;
-  group_rows_and_grad_x_kernel<scalar_t, VEC>
-      <<<grid_blocks(gather_threads + kGatherThreads, kGatherThreads), kGroupThreads, 0,
-         c10::cuda::getCurrentCUDAStream()>>>(
-          dz_in, argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0),
-          key_bits, grouping, weight.const_data_ptr<scalar_t>(),
-          weight.stride(0), weight.stride(1), grad_x.mutable_data_ptr<scalar_t>(), in_features,
-          warps_per_row);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchAttribute attribute{};
+  const cudaLaunchConfig_t config = dependent_launch_config(
+      grid_blocks(gather_threads + kGatherThreads, kGatherThreads), kGroupThreads,
+      c10::cuda::getCurrentCUDAStream(), attribute, dependent);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &config, group_rows_and_grad_x_kernel<scalar_t, VEC>, dz_in,
+      argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0), key_bits,
+      grouping, weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1),
+      grad_x.mutable_data_ptr<scalar_t>(), in_features, warps_per_row));
 }
 
 // True when weight rows can be read as 16-byte vectors and grad_x rows written as such.
@@ -706,6 +713,11 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   float* bias_pieces = pieces + piece_slots * in_features;
   grouping.sorted_dz = bias_pieces + piece_slots;
 
+  // Each kernel a programmatic dependent of the one before (the first one of whatever kernel
+  // precedes the op): each waits for the previous grid before touching memory, and its launch
+  // overlaps that grid's tail instead of following it.
+  const bool dependent = device_has_dependent_launch(x.get_device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward_backward", [&] {
     const DzInputs<scalar_t> dz_in =
         make_dz_inputs<scalar_t>(grad_out, grad_preactivation, preactivation, scale);
@@ -713,31 +725,37 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     constexpr int kVec = vector_width<scalar_t>();
     if (gather_is_vectorizable(weight, grad_x, kVec)) {
       launch_group_rows_and_grad_x<scalar_t, kVec>(dz_in, argmax, key_bits, grouping, weight,
-                                                   grad_x);
+                                                   grad_x, dependent);
     } else {
-      launch_group_rows_and_grad_x<scalar_t, 1>(dz_in, argmax, key_bits, grouping, weight, grad_x);
+      launch_group_rows_and_grad_x<scalar_t, 1>(dz_in, argmax, key_bits, grouping, weight, grad_x,
+                                                dependent);
     }
 
     // At least one chunk, so that in_features == 0 still writes grad_bias.
     const int64_t chunks = std::max<int64_t>(ceil_div<int64_t>(in_features, kSegmentThreads), 1);
     const int64_t tiles = ceil_div<int64_t>(batch, kSegmentTileRows);  // sorted rows <= batch
-    segment_tiles_kernel<scalar_t>
-        <<<grid_blocks(tiles * chunks, 1), kSegmentThreads, 0,
-           c10::cuda::getCurrentCUDAStream()>>>(
-            x.const_data_ptr<scalar_t>(), x.stride(0), x.stride(1), grouping.order,
-            grouping.sorted_segment, grouping.sorted_dz, grad_weight.mutable_data_ptr<scalar_t>(),
-            grad_bias.mutable_data_ptr<scalar_t>(), pieces, bias_pieces, batch, in_features,
-            chunks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cudaLaunchAttribute tiles_attribute{};
+    const cudaLaunchConfig_t tiles_config =
+        dependent_launch_config(grid_blocks(tiles * chunks, 1), kSegmentThreads, stream,
+                                tiles_attribute, dependent);
+    C10_CUDA_CHECK(cudaLaunchKernelEx(
+        &tiles_config, segment_tiles_kernel<scalar_t>, x.const_data_ptr<scalar_t>(), x.stride(0),
+        x.stride(1), static_cast<const int64_t*>(grouping.order),
+        static_cast<const int64_t*>(grouping.sorted_segment),
+        static_cast<const float*>(grouping.sorted_dz), grad_weight.mutable_data_ptr<scalar_t>(),
+        grad_bias.mutable_data_ptr<scalar_t>(), pieces, bias_pieces, batch, in_features, chunks));
     const int64_t zero_groups =
         zero_empty_segments ? ceil_div<int64_t>(pooled, kZeroSegments) : 0;
-    segment_pieces_kernel<scalar_t>
-        <<<grid_blocks((tiles + zero_groups) * chunks, 1), kSegmentThreads, 0,
-           c10::cuda::getCurrentCUDAStream()>>>(
-            grouping.sorted_segment, segment_starts, pieces, bias_pieces,
-            grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
-            batch, pooled, in_features, zero_groups, chunks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cudaLaunchAttribute pieces_attribute{};
+    const cudaLaunchConfig_t pieces_config =
+        dependent_launch_config(grid_blocks((tiles + zero_groups) * chunks, 1), kSegmentThreads,
+                                stream, pieces_attribute, dependent);
+    C10_CUDA_CHECK(cudaLaunchKernelEx(
+        &pieces_config, segment_pieces_kernel<scalar_t>,
+        static_cast<const int64_t*>(grouping.sorted_segment), segment_starts,
+        static_cast<const float*>(pieces), static_cast<const float*>(bias_pieces),
+        grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(), batch,
+        pooled, in_features, zero_groups, chunks));
   });
   return result;
 }

@@ -34,19 +34,44 @@ __host__ __device__ constexpr T ceil_div(T a, T b) {
 }
 
 // Programmatic dependent launch (sm_90+), both halves: a kernel that calls
-// allow_dependent_launch() lets the next kernel on the stream (launched with the attribute) start
-// once all its CTAs have executed it; that kernel waits in wait_for_gemm() until the one before
-// has completed and its writes are visible. The dependent's launch then overlaps the kernel before
-// it instead of following it. Elsewhere both are no-ops (the host launches without the attribute).
+// allow_dependent_launch() lets the next kernel on the stream (launched with the attribute,
+// dependent_launch_config) start once all its CTAs have executed it; that kernel waits in
+// wait_for_previous_grid() until the one before has completed and its writes are visible, before
+// it reads or writes any global memory. The dependent's launch then overlaps the kernel before it
+// instead of following it. Elsewhere both are no-ops (the host launches without the attribute).
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wait_for_gemm() {
+__device__ __forceinline__ void wait_for_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+// A launch of `blocks` x `threads` on `stream`, as a programmatic dependent of the kernel before it
+// when `dependent` (the device supports it: compute capability 9.0 or later). `attribute` must
+// outlive the launch call.
+inline cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStream_t stream,
+                                                  cudaLaunchAttribute& attribute,
+                                                  bool dependent = true) {
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = dependent ? 1 : 0;
+  return config;
+}
+
+// Whether `device` runs programmatic dependent launches (compute capability 9.0 or later).
+inline bool device_has_dependent_launch(int device) {
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 9;
 }
 
 // 16 bytes is the widest global load/store one thread can issue (LDG.E.128 / STG.E.128).

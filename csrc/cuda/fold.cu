@@ -134,6 +134,8 @@ __global__ void __launch_bounds__(kFoldBackwardThreads)
                          int64_t out_features, int64_t in_features, int64_t k, int64_t groups,
                          int64_t vecs_per_row) {
   using acc_t = at::opmath_type<scalar_t>;
+  allow_dependent_launch();
+  wait_for_previous_grid();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kFoldBackwardThreads + threadIdx.x;
   if (item >= groups * vecs_per_row) return;
   const int64_t n = item / vecs_per_row;
@@ -204,15 +206,20 @@ void launch_fold_backward(const at::Tensor& grad_pooled_weight, const at::Tensor
   const int64_t groups = ceil_div<int64_t>(out_features, k);  // pooled, + 1 if O % k != 0
   // At least one thread per group, so that in_features == 0 still writes the bias.
   const int64_t vecs_per_row = std::max<int64_t>(ceil_div<int64_t>(in_features, VEC), 1);
-  fold_backward_kernel<scalar_t, VEC>
-      <<<grid_blocks(groups * vecs_per_row, kFoldBackwardThreads), kFoldBackwardThreads, 0,
-         c10::cuda::getCurrentCUDAStream()>>>(
-          grad_pooled_weight.const_data_ptr<scalar_t>(), grad_pooled_weight.stride(0),
-          grad_pooled_weight.stride(1), grad_pooled_bias.const_data_ptr<scalar_t>(),
-          grad_pooled_bias.stride(0), grad_weight.mutable_data_ptr<scalar_t>(),
-          grad_bias.mutable_data_ptr<scalar_t>(), segment_starts, pooled, out_features,
-          in_features, k, groups, vecs_per_row);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // A programmatic dependent of the kernel before it (model_backward's segment reduction, or
+  // whatever precedes the op): it waits for that grid before touching memory, and its launch
+  // overlaps that grid's tail.
+  cudaLaunchAttribute attribute{};
+  const cudaLaunchConfig_t config = dependent_launch_config(
+      grid_blocks(groups * vecs_per_row, kFoldBackwardThreads), kFoldBackwardThreads,
+      c10::cuda::getCurrentCUDAStream(), attribute,
+      device_has_dependent_launch(grad_weight.get_device()));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &config, fold_backward_kernel<scalar_t, VEC>, grad_pooled_weight.const_data_ptr<scalar_t>(),
+      grad_pooled_weight.stride(0), grad_pooled_weight.stride(1),
+      grad_pooled_bias.const_data_ptr<scalar_t>(), grad_pooled_bias.stride(0),
+      grad_weight.mutable_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>(),
+      segment_starts, pooled, out_features, in_features, k, groups, vecs_per_row));
 }
 
 std::tuple<at::Tensor, at::Tensor> fold_cuda(const at::Tensor& weight,

@@ -148,7 +148,7 @@ template <int kThreadsPerRow, int kBatch, typename out_t>
 __global__ void __launch_bounds__(kEpilogueThreads)
     argmax_epilogue_kernel(const EpilogueParams p, out_t* __restrict__ out,
                            int64_t* __restrict__ argmax, out_t* __restrict__ preactivation) {
-  wait_for_gemm();
+  wait_for_previous_grid();
   static_assert(kThreadsPerRow == 32 || kThreadsPerRow == kEpilogueThreads, "warp or CTA per row");
   constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
   constexpr int kWarps = kEpilogueThreads / 32;
@@ -634,19 +634,6 @@ CUtensorMap tensor_map(const Operand& operand, int64_t rows, int64_t k_padded, i
   TORCH_CHECK(result == CUDA_SUCCESS, "fused_pool_gelu.forward: cuTensorMapEncodeTiled failed (",
               static_cast<int>(result), ")");
   return map;
-}
-
-cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStream_t stream,
-                                           cudaLaunchAttribute& attribute) {
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(threads);
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  return config;
 }
 
 // Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the rows' norms and the

@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kThreads)
                      const float* __restrict__ x_residual_sumsq, int64_t batch, int splits,
                      Bound bound, Norms* __restrict__ w_norms, Norms* __restrict__ x_norms) {
   allow_dependent_launch();
-  wait_for_gemm();
+  wait_for_previous_grid();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) {
     w_norms[i] = Norms{norm_from_squares(w_sumsq + i, n, splits, bound),
@@ -246,7 +246,7 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // selection is deterministic. 6 CTAs per SM: 40 registers, no spill (ptxas would take 48, 5 per
 // SM; 8 per SM needs 32 and spilled 92 bytes: 12.9 -> 16.9 us at B = 1024).
 __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const SelectParams p) {
-  wait_for_gemm();
+  wait_for_previous_grid();
   extern __shared__ float s_upper[];  // [n]
   __shared__ float s_value[kWarps];
   __shared__ int s_flag[kWarps];
@@ -379,7 +379,7 @@ template <typename out_t>
 __global__ void __launch_bounds__(kThreads, 4)
     rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
                    out_t* __restrict__ preactivation) {
-  wait_for_gemm();  // the selection's writes
+  wait_for_previous_grid();  // the selection's writes
   __shared__ float s_sum[kGroup][kWarps];
   const int64_t row = blockIdx.x;
   const float4* x_row = reinterpret_cast<const float4*>(p.x + row * p.ldx);
