@@ -631,7 +631,7 @@ DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
 template <typename scalar_t, int VEC>
 void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
                                   int key_bits, const Grouping& grouping, const at::Tensor& weight,
-                                  at::Tensor& grad_x, bool dependent) {
+                                  at::Tensor& grad_x, cudaStream_t stream, bool dependent) {
   const int64_t batch = grad_x.size(0);
   const int64_t in_features = grad_x.size(1);
   const int64_t warps_per_row =
@@ -640,8 +640,8 @@ void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Ten
   const int64_t gather_threads = batch * warps_per_row * kWarpSize;
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config = dependent_launch_config(
-      grid_blocks(gather_threads + kGatherThreads, kGatherThreads), kGroupThreads,
-      c10::cuda::getCurrentCUDAStream(), attribute, dependent);
+      grid_blocks(gather_threads + kGatherThreads, kGatherThreads), kGroupThreads, stream,
+      attribute, dependent);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &config, group_rows_and_grad_x_kernel<scalar_t, VEC>, dz_in,
       argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0), key_bits,
@@ -725,10 +725,10 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     constexpr int kVec = vector_width<scalar_t>();
     if (gather_is_vectorizable(weight, grad_x, kVec)) {
       launch_group_rows_and_grad_x<scalar_t, kVec>(dz_in, argmax, key_bits, grouping, weight,
-                                                   grad_x, dependent);
+                                                   grad_x, stream, dependent);
     } else {
       launch_group_rows_and_grad_x<scalar_t, 1>(dz_in, argmax, key_bits, grouping, weight, grad_x,
-                                                dependent);
+                                                stream, dependent);
     }
 
     // At least one chunk, so that in_features == 0 still writes grad_bias.

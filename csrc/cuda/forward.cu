@@ -636,14 +636,16 @@ CUtensorMap tensor_map(const Operand& operand, int64_t rows, int64_t k_padded, i
   return map;
 }
 
-// Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the rows' norms and the
-// selection, each a programmatic dependent of the one before. Returns the selection: [batch]
-// candidate counts (-1: every column), then [batch, kMaxCandidates] candidate columns.
+// The selection's result: [batch] candidate counts (-1: every column), then [batch,
+// kMaxCandidates] candidate columns, as ints at the end of the call's float workspace.
 struct Selection {
-  at::Tensor workspace;  // float32; the selection's ints from `offset` on
-  int64_t offset;
+  at::Tensor workspace;
+  int64_t offset;  // floats before the ints
   int* data() const { return reinterpret_cast<int*>(workspace.mutable_data_ptr<float>() + offset); }
 };
+
+// Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the rows' norms and the
+// selection, each a programmatic dependent of the one before.
 Selection certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
                            const float* bias, float scale, int64_t batch, int64_t n,
                            int64_t k_padded, const at::TensorOptions& options,
