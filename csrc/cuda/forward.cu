@@ -300,7 +300,7 @@ const DeviceInfo& device_info(int device) {
     int major = 0, minor = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    info->dependent_launch = major >= 9;
+    info->dependent_launch = device_has_dependent_launch(device);
     if (FPG_WITH_SM90A && major == 9 && minor == 0 &&
         std::max(fg::kWgSmemBytes, fg::kPass1SmemBytes) <= max_smem_optin) {
       cudaFuncAttributes attributes{};
