@@ -72,11 +72,6 @@ constexpr int64_t kSimtMaxBatch = 32;
 // rows: too few tiles to fill the GPU without splits) and the selection and rescoring cost more
 // than the 3xTF32 GEMM saves.
 constexpr int64_t kCertifiedMinBatch = 6 * fg::kPass1BlockM + 1;
-// Splits of the certified pass 1, at most: the selection reads every split's partial of every
-// (row, column), and its workspace (splits x rows x N partials, plus the norms and candidate
-// lists) then stays at or below 8 x rows x N floats, under one [B, O] tensor for pooling windows
-// k >= 9 (docs/input_classes.md). The default shape takes 8 anyway (16 tiles x 8 = 128 CTAs).
-constexpr int64_t kCertifiedMaxSplits = 8;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
@@ -121,6 +116,8 @@ constexpr int kEpilogueManySplitBatch = 15;
 // ~2 waves on 132 SMs), so slicing costs the GEMM little; the default shape needs 8 MB up to
 // B = 4096 and is never sliced.
 constexpr int64_t kMaxWorkspaceFloats = (int64_t{16} << 20) / static_cast<int64_t>(sizeof(float));
+static_assert(certified::kMaxSplits * kMaxWorkspaceFloats <= std::numeric_limits<int>::max(),
+              "the certified selection's partial offsets fit in an int");
 
 // Largest supported K (padded to a multiple of 4): offsets inside a row, plus two chunks of
 // look-ahead, must fit an int in the GEMV kernel.
@@ -644,6 +641,21 @@ struct Selection {
   int* data() const { return reinterpret_cast<int*>(workspace.mutable_data_ptr<float>() + offset); }
 };
 
+// Calls f(std::integral_constant<int, bound>) with the smallest bound of 1, 2, 4 and
+// certified::kMaxSplits at or above splits (forward_certified.cuh: the kernels that sum splits).
+template <typename F>
+void dispatch_split_bound(int64_t splits, F&& f) {
+  if (splits <= 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (splits <= 2) {
+    f(std::integral_constant<int, 2>{});
+  } else if (splits <= 4) {
+    f(std::integral_constant<int, 4>{});
+  } else {
+    f(std::integral_constant<int, certified::kMaxSplits>{});
+  }
+}
+
 // Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the rows' norms and the
 // selection, each a programmatic dependent of the one before.
 Selection certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
@@ -653,11 +665,15 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   const int64_t tiles =
       ceil_div(batch, int64_t{fg::kPass1BlockM}) * ceil_div(n, int64_t{fg::kPass1BlockN});
   // One CTA per SM (the kernel's shared memory); the whole split is one tensor-core chain.
+  const int64_t split_cap =
+      std::min(int64_t{certified::kMaxSplits}, kMaxWorkspaceFloats / (batch * n));
   const int64_t k_per_split =
       plan_k_tiles_per_split(tiles, ceil_div(k_padded, int64_t{fg::kPass1BlockK}), info.sms,
-                             std::min(kCertifiedMaxSplits, kMaxWorkspaceFloats / (batch * n))) *
+                             split_cap) *
       fg::kPass1BlockK;
   const int64_t splits = ceil_div(k_padded, k_per_split);
+  TORCH_CHECK(splits >= 1 && splits <= certified::kMaxSplits,
+              "fused_pool_gelu.forward: internal error: ", splits, " certified splits");
   // One allocation (each costs host time in every call), freed on return: the caching allocator
   // reuses it only after this stream's kernels. The partials, the x and weight rows' split sums of
   // squares and of squared residuals, the weight and x norms (float pairs: an even offset keeps
@@ -692,15 +708,18 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   const cudaLaunchConfig_t norms_config =
       dependent_launch_config(ceil_div(n + batch, int64_t{certified::kThreads}),
                               certified::kThreads, stream, norms_attribute);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &norms_config, certified::row_norms_kernel, static_cast<const float*>(gemm.w_sumsq),
-      static_cast<const float*>(gemm.w_residual_sumsq), n,
-      static_cast<const float*>(gemm.x_sumsq), static_cast<const float*>(gemm.x_residual_sumsq),
-      batch, static_cast<int>(splits), bound, w_norms, x_norms));
+  dispatch_split_bound(splits, [&](auto split_bound) {
+    C10_CUDA_CHECK(cudaLaunchKernelEx(
+        &norms_config, certified::row_norms_kernel<decltype(split_bound)::value>,
+        static_cast<const float*>(gemm.w_sumsq), static_cast<const float*>(gemm.w_residual_sumsq),
+        n, static_cast<const float*>(gemm.x_sumsq),
+        static_cast<const float*>(gemm.x_residual_sumsq), batch, static_cast<int>(splits), bound,
+        w_norms, x_norms));
+  });
 
   certified::SelectParams select{};
   select.partial = partial;
-  select.split_stride = batch * n;
+  select.split_stride = static_cast<int>(batch * n);
   select.splits = static_cast<int>(splits);
   select.x_norms = x_norms;
   select.w_norms = w_norms;
@@ -715,7 +734,10 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, attribute);
   config.dynamicSmemBytes = certified::select_smem_bytes(n);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::select_candidates_kernel, select));
+  dispatch_split_bound(splits, [&](auto split_bound) {
+    C10_CUDA_CHECK(cudaLaunchKernelEx(
+        &config, certified::select_candidates_kernel<decltype(split_bound)::value>, select));
+  });
   return selection;
 }
 

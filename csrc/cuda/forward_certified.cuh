@@ -71,6 +71,14 @@ namespace fused_pool_gelu {
 namespace cuda {
 namespace certified {
 
+// Splits of pass 1, at most (forward.cu's planner): the selection reads every split's partial of
+// every (row, column), all at once (sum_few_splits), and its workspace (splits x rows x N
+// partials, plus the norms and candidate lists) then stays at or below 8 x rows x N floats, under
+// one [B, O] tensor for pooling windows k >= 9 (docs/input_classes.md). The default shape takes 8
+// anyway (16 tiles x 8 = 128 CTAs). The certified path runs on one workspace slice (rows x N <=
+// forward.cu's kMaxWorkspaceFloats = 2^22), so kMaxSplits x rows x N offsets fit in an int.
+constexpr int kMaxSplits = 8;
+
 // Candidates kept per row; a row with more is rescored whole (benchmarks/simulate_certified.py,
 // default shape: 3.6 per row on average, 99.9% of rows at most ~21).
 constexpr int kMaxCandidates = 64;
@@ -108,7 +116,7 @@ __device__ __forceinline__ Norms load_norms(const Norms* norms) {
 
 struct SelectParams {
   const float* partial;   // [splits, batch, n]
-  int64_t split_stride;
+  int split_stride;       // batch * n
   int splits;
   const Norms* x_norms;   // [batch]: row_norms_kernel's
   const Norms* w_norms;   // [n]: row_norms_kernel's
@@ -121,20 +129,27 @@ struct SelectParams {
   int* candidates;        // [batch, kMaxCandidates]
 };
 
-// The split sums of squares are loaded like the partials (kSplitBatch at a time): a chain of S
-// dependent loads per column made the first selection latency-bound (~60 us at B = 1024).
-__device__ __forceinline__ float norm_from_squares(const float* sumsq, int64_t stride, int splits,
+// The kernels below that sum pass 1's splits are compiled for a bound kSplitBound on the split
+// count (1, 2, 4 or kMaxSplits, the smallest at or above it: forward.cu's dispatch_split_bound), so
+// that their loads are all issued at once and a call with fewer splits issues no predicated-off
+// ones (B = 4096 takes one split: one kernel for up to 8 made its selection 24.2 -> 28.0 us).
+
+// The split sums of squares are loaded like the partials (all at once): a chain of S dependent
+// loads per column made the first selection latency-bound (~60 us at B = 1024).
+template <int kSplitBound>
+__device__ __forceinline__ float norm_from_squares(const float* sumsq, int stride, int splits,
                                                    const Bound& c) {
-  const float sum = sum_splits<kSplitBatch>(sumsq, stride, splits) + c.squares_floor;
+  const float sum = sum_few_splits<kSplitBound>(sumsq, stride, splits) + c.squares_floor;
   return __fmul_ru(__fsqrt_ru(sum), c.norm_slack);
 }
 
 // z~ and its bound E for one column; false when either is not finite or the norms are too large
 // for the analysis.
+template <int kSplitBound>
 __device__ __forceinline__ bool column_interval(const SelectParams& p, const float* row_partial,
                                                int64_t col, Norms x, Norms w, float& z,
                                                float& e) {
-  z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
+  z = sum_few_splits<kSplitBound>(row_partial + col, p.split_stride, p.splits);
   const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
   z += b;
   const float product = __fmul_ru(x.value, w.value);
@@ -177,11 +192,12 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
 // [lo, hi] for one column; false when z~, its bound or either end is not finite (an overflow in
 // the bound or in gelu * scale included): the row is then rescored whole, never compared with a
 // NaN.
+template <int kSplitBound>
 __device__ __forceinline__ bool column_value_interval(const SelectParams& p,
                                                       const float* row_partial, int64_t col,
                                                       Norms x, Norms w, float& lo, float& hi) {
   float z, e;
-  if (!column_interval(p, row_partial, col, x, w, z, e)) return false;
+  if (!column_interval<kSplitBound>(p, row_partial, col, x, w, z, e)) return false;
   value_interval(z, e, p.scale, lo, hi);
   return isfinite(lo) && isfinite(hi);
 }
@@ -212,6 +228,7 @@ __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, 
 // every selection CTA used to sum the S split sums of squares of all n columns again (half of its
 // loads), and every one of its threads those of its x row. Thread i < n: weight row i; then the
 // x rows.
+template <int kSplitBound>
 __global__ void __launch_bounds__(kThreads)
     row_norms_kernel(const float* __restrict__ w_sumsq, const float* __restrict__ w_residual_sumsq,
                      int64_t n, const float* __restrict__ x_sumsq,
@@ -221,12 +238,15 @@ __global__ void __launch_bounds__(kThreads)
   wait_for_previous_grid();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) {
-    w_norms[i] = Norms{norm_from_squares(w_sumsq + i, n, splits, bound),
-                       norm_from_squares(w_residual_sumsq + i, n, splits, bound)};
+    const int stride = static_cast<int>(n);
+    w_norms[i] = Norms{norm_from_squares<kSplitBound>(w_sumsq + i, stride, splits, bound),
+                       norm_from_squares<kSplitBound>(w_residual_sumsq + i, stride, splits, bound)};
   } else if (i < n + batch) {
     const int64_t row = i - n;
-    x_norms[row] = Norms{norm_from_squares(x_sumsq + row, batch, splits, bound),
-                         norm_from_squares(x_residual_sumsq + row, batch, splits, bound)};
+    const int stride = static_cast<int>(batch);
+    x_norms[row] =
+        Norms{norm_from_squares<kSplitBound>(x_sumsq + row, stride, splits, bound),
+              norm_from_squares<kSplitBound>(x_residual_sumsq + row, stride, splits, bound)};
   }
 }
 
@@ -245,6 +265,7 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // lower ends; the candidates are written in column order (ballots and the warps' counts), so the
 // selection is deterministic. 6 CTAs per SM: 40 registers, no spill (ptxas would take 48, 5 per
 // SM; 8 per SM needs 32 and spilled 92 bytes: 12.9 -> 16.9 us at B = 1024).
+template <int kSplitBound>
 __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const SelectParams p) {
   wait_for_previous_grid();
   extern __shared__ float s_upper[];  // [n]
@@ -261,8 +282,8 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
   bool whole_row = false;
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
     float lo = -INFINITY, hi = INFINITY;
-    whole_row |= !column_value_interval(p, row_partial, col, x_norms, load_norms(p.w_norms + col),
-                                        lo, hi);
+    whole_row |= !column_value_interval<kSplitBound>(p, row_partial, col, x_norms,
+                                                     load_norms(p.w_norms + col), lo, hi);
     best_lower = fmaxf(best_lower, lo);
     s_upper[col] = hi;
   }

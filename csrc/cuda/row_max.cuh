@@ -65,5 +65,21 @@ __device__ __forceinline__ float sum_splits(const float* p, int64_t stride, int 
   return z;
 }
 
+// The same sum for 1 <= splits <= kMaxSplits: every load issued at once (one round trip to L2 where
+// sum_splits makes a chain of them past its batches), in 32-bit offsets (the caller keeps
+// kMaxSplits x stride below 2^31).
+template <int kMaxSplits>
+__device__ __forceinline__ float sum_few_splits(const float* p, int stride, int splits) {
+  float v[kMaxSplits];
+#pragma unroll
+  for (int i = 0; i < kMaxSplits; ++i) v[i] = i < splits ? __ldg(p + i * stride) : 0.f;
+  float z = v[0];
+#pragma unroll
+  for (int i = 1; i < kMaxSplits; ++i) {
+    if (i < splits) z += v[i];
+  }
+  return z;
+}
+
 }  // namespace cuda
 }  // namespace fused_pool_gelu
