@@ -44,7 +44,11 @@ def _relative_error(ours, ref):
 
 
 # Default shape, odd sizes (B > 32: the tensor-core range), K = 65536, the widest layer the
-# selection serves (N = 4096: 16 n tiles share each x tile's sums of squares), 9 m tiles.
+# selection serves (N = 4096: 16 n tiles share each x tile's sums of squares), 9 m tiles. With
+# the last four, pass 1 takes every split count from 1 to 8 (the planner in forward.cu on the
+# H200's 132 SMs, in order: 8, 1, 1, 5, 8, 2, 1, 3, 4, 6, 7), so the selection and norms kernels
+# run at each split bound (1, 2, 4, 8), with and without loads past the last split
+# (sum_few_splits).
 SHAPES = [
     (1024, 8192, 512),
     (33, 4, 1),
@@ -53,6 +57,10 @@ SHAPES = [
     (40, 65536, 64),
     (300, 1000, 4096),
     (1100, 96, 260),
+    (41, 770, 67),
+    (45, 1030, 70),
+    (50, 1540, 33),
+    (37, 1795, 129),
 ]
 
 
