@@ -131,11 +131,10 @@ struct SelectParams {
 
 // The kernels below that sum pass 1's splits are compiled for a bound kSplitBound on the split
 // count (1, 2, 4 or kMaxSplits, the smallest at or above it: forward.cu's dispatch_split_bound), so
-// that their loads are all issued at once and a call with fewer splits issues no predicated-off
-// ones (B = 4096 takes one split: one kernel for up to 8 made its selection 24.2 -> 28.0 us).
-
-// The split sums of squares are loaded like the partials (all at once): a chain of S dependent
-// loads per column made the first selection latency-bound (~60 us at B = 1024).
+// that their loads are all issued at once and a call with fewer splits issues few loads past its
+// last split (B = 4096 takes two splits: one kernel for up to 8 made its selection 24.2 -> 28.0
+// us). The split sums of squares are loaded like the partials (all at once): a chain of S
+// dependent loads per column made the first selection latency-bound (~60 us at B = 1024).
 template <int kSplitBound>
 __device__ __forceinline__ float norm_from_squares(const float* sumsq, int stride, int splits,
                                                    const Bound& c) {
