@@ -45,10 +45,17 @@
 // E = bound + rescoring error of z~. Every constant comes from the host in double, rounded up.
 //
 // Selection. gelu decreases on (-inf, x0] and increases on [x0, inf), x0 = -0.7517915...: over
-// [z~ - E, z~ + E] its minimum is at the end nearer x0 (or gelu(x0) when x0 is inside), its
-// maximum at one end. Widened by 2^-16 (|g| + |a| + |b|) + 2^-126 to cover float32 gelu's own
-// error at both the ends and the rescored point, and scaled with directed rounding (ends swapped
-// for s < 0), this gives [lo_n, hi_n] holding the value the rescoring will compute for column n.
+// [z~ - E, z~ + E] = [a, b] its minimum is at the end nearer x0 (or gelu(x0) when x0 is inside),
+// its maximum at one end. Float32 gelu errs by at most 2^-17 (|gelu(t)| + |t|) + 2^-127 at any t
+// (CUDA's erff: 2 ulp; with the evaluation's roundings ~2^-21 |t|, 16 times below); widened by 2^-16 (|g| + |a| + |b|) + 2^-126 to cover that error at both the ends and the
+// rescored point, and scaled with directed rounding (ends swapped for s < 0), this gives
+// [lo_n, hi_n] holding the value the rescoring will compute for column n. Where a >= x0 (most
+// columns) one erf serves both ends: the minimum is gelu(a), and every gelu(z) on [a, b] is at
+// most gelu(a) + (b - a) D with D = 1/2 + 2 phi(0) max(b, 0) >= gelu' on (-inf, b] (gelu'(v) =
+// Phi(v) + v phi(v); Phi <= 1/2 below 0 and concave above, phi <= phi(0)); the errors at a and at
+// the rescored point z then sum to at most 2^-16 (|a| + |z|) + 2^-126 <= widen(a, a, b), since
+// |gelu(t)| <= |t| and |z| <= |a| + |b|. Near z = 0, where this data lies, D exceeds gelu'(b) by
+// O(b^2): the upper end barely moves.
 // Candidates: the columns with hi_n >= M = max_n lo_n. Any other column's computed value would
 // be below M, which the column attaining M reaches: it cannot be the winner, so the answer is
 // the one rescoring every column would give (same torch.max rule on NaN and ties). A row with a
@@ -89,6 +96,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr float kGeluX0Below = -0.7517916f;
 constexpr float kGeluX0Above = -0.7517915f;
 constexpr float kGeluMinLower = -0.1699713f;
+// 2 phi(0) = sqrt(2 / pi) = 0.79788456..., rounded up.
+constexpr float kTwoPhi0Above = 0.797884583f;
 
 // Constants of the bound (see above), each a float32 at or above its exact value.
 struct Bound {
@@ -174,11 +183,19 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
   const float a = __fsub_rd(z, e);
   const float b = __fadd_ru(z, e);
   const float ga = gelu(a);
-  const float gb = gelu(b);
-  float g_lo = b <= kGeluX0Below ? gb : (a >= kGeluX0Above ? ga : kGeluMinLower);
-  float g_hi = fmaxf(ga, gb);
-  g_lo = __fsub_rd(g_lo, widen(g_lo, a, b));
-  g_hi = __fadd_ru(g_hi, widen(g_hi, a, b));
+  float g_lo, g_hi;
+  if (a >= kGeluX0Above) {
+    // gelu increases on [a, b]: one erf (see above).
+    g_lo = __fsub_rd(ga, widen(ga, a, b));
+    const float slope = __fmaf_ru(kTwoPhi0Above, fmaxf(b, 0.f), 0.5f);
+    g_hi = __fadd_ru(__fmaf_ru(__fsub_ru(b, a), slope, ga), widen(a, a, b));
+  } else {
+    const float gb = gelu(b);
+    g_lo = b <= kGeluX0Below ? gb : kGeluMinLower;
+    g_hi = fmaxf(ga, gb);
+    g_lo = __fsub_rd(g_lo, widen(g_lo, a, b));
+    g_hi = __fadd_ru(g_hi, widen(g_hi, a, b));
+  }
   if (scale > 0.f) {
     lo = __fmul_rd(scale, g_lo);
     hi = __fmul_ru(scale, g_hi);
