@@ -45,17 +45,17 @@
 // E = bound + rescoring error of z~. Every constant comes from the host in double, rounded up.
 //
 // Selection. gelu decreases on (-inf, x0] and increases on [x0, inf), x0 = -0.7517915...: over
-// [z~ - E, z~ + E] = [a, b] its minimum is at the end nearer x0 (or gelu(x0) when x0 is inside),
+// [a, b] = [z~ - E, z~ + E] its minimum is at the end nearer x0 (or gelu(x0) when x0 is inside),
 // its maximum at one end. Float32 gelu errs by at most 2^-17 (|gelu(t)| + |t|) + 2^-127 at any t
-// (CUDA's erff: 2 ulp; with the evaluation's roundings ~2^-21 |t|, 16 times below); widened by 2^-16 (|g| + |a| + |b|) + 2^-126 to cover that error at both the ends and the
-// rescored point, and scaled with directed rounding (ends swapped for s < 0), this gives
-// [lo_n, hi_n] holding the value the rescoring will compute for column n. Where a >= x0 (most
-// columns) one erf serves both ends: the minimum is gelu(a), and every gelu(z) on [a, b] is at
-// most gelu(a) + (b - a) D with D = 1/2 + 2 phi(0) max(b, 0) >= gelu' on (-inf, b] (gelu'(v) =
-// Phi(v) + v phi(v); Phi <= 1/2 below 0 and concave above, phi <= phi(0)); the errors at a and at
-// the rescored point z then sum to at most 2^-16 (|a| + |z|) + 2^-126 <= widen(a, a, b), since
-// |gelu(t)| <= |t| and |z| <= |a| + |b|. Near z = 0, where this data lies, D exceeds gelu'(b) by
-// O(b^2): the upper end barely moves.
+// (CUDA's erff: 2 ulp; with the evaluation's roundings ~2^-21 |t|, 16 times below). Widened by
+// 2^-16 (|g| + |a| + |b|) + 2^-126 to cover that error at both the ends and the rescored point,
+// and scaled with directed rounding (ends swapped for s < 0), this gives [lo_n, hi_n] holding the
+// value the rescoring will compute for column n. Where a >= x0 (most columns) one erf serves both
+// ends: the minimum is gelu(a), and every gelu(z) on [a, b] is at most gelu(a) + (b - a) D with D
+// = 1/2 + 2 phi(0) max(b, 0) >= gelu' on (-inf, b] (gelu'(v) = Phi(v) + v phi(v); Phi <= 1/2 below
+// 0 and concave above, phi <= phi(0)); the errors at a and at the rescored point z then sum to at
+// most 2^-16 (|a| + |z|) + 2^-126 <= widen(a, a, b), since |gelu(t)| <= |t| and |z| <= |a| + |b|.
+// Near z = 0, where this data lies, D exceeds gelu'(b) by O(b^2): the upper end barely moves.
 // Candidates: the columns with hi_n >= M = max_n lo_n. Any other column's computed value would
 // be below M, which the column attaining M reaches: it cannot be the winner, so the answer is
 // the one rescoring every column would give (same torch.max rule on NaN and ties). A row with a
