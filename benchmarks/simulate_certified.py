@@ -53,11 +53,14 @@ def bf16(a):
 
 # Pass 1's (x, weight) operand formats: the kernel's TF32 for both; bf16 for both (a tensor-core
 # what-if); a float32 x against a bf16 copy of the weight (a what-if for the small-batch GEMV, which
-# runs on CUDA cores and is bound by reading the weight: half the bytes).
+# runs on CUDA cores and is bound by reading the weight: half the bytes); TF32 x against a bf16
+# copy of the weight (a what-if for a TF32 tensor-core pass reading the bf16 copy, whose values
+# TF32 holds exactly: the weight's bytes halved, x's residual term unchanged).
 OPERANDS = {
     "tf32": (tf32, tf32),
     "bf16": (bf16, bf16),
     "bf16-weight": (lambda a: a, bf16),
+    "tf32-x-bf16-weight": (tf32, bf16),
 }
 
 
