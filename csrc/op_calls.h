@@ -1,8 +1,8 @@
 // Calls of this library's ops through the dispatcher, for C++ kernels built from other ops
 // (forward's, model_forward's and model_backward's kernels in registration.cpp and
-// model_forward.cpp). Going through
-// the dispatcher picks the device kernel, the autocast kernel or the autograd kernel that the
-// current dispatch state asks for, exactly as a call from Python would.
+// model_forward.cpp). Going through the dispatcher picks the device kernel, the autocast kernel or
+// the autograd kernel that the current dispatch state asks for, exactly as a call from Python
+// would.
 #pragma once
 
 #include <ATen/core/Tensor.h>
