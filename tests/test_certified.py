@@ -180,6 +180,21 @@ def test_huge_and_tiny_magnitudes(magnitude, certified, make_inputs, check_forwa
         assert bool((counts == -1).all())
 
 
+@pytest.mark.parametrize("magnitude", [1e2, 1e4, 1e6])
+def test_large_preactivations_select_few_columns(magnitude, certified, make_inputs, check_forward):
+    # |z| up to ~magnitude: the interval's upper end must not grow with z. The selection bounds
+    # gelu's slope by 1/2 + 2 phi(0) max(b, 0), capped at gelu's largest slope (1.129); without the
+    # cap the upper end moved by ~0.8 b (b - a) and let most positive columns through.
+    x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
+    x = x * magnitude
+    bias = bias * magnitude
+    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    stats = (int((counts == -1).sum()), float(counts[counts >= 0].float().mean()))
+    assert bool((counts != -1).all()), stats
+    assert float(counts.float().mean()) <= 4, stats
+
+
 def test_subnormal_inputs(certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
     x[:, ::2] *= 1e-40  # half of every row subnormal: the TF32 pass may flush them
