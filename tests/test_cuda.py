@@ -277,6 +277,21 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
     assert names and not any("wgmma" in n for n in names), names
 
 
+# The SIMT GEMV's split count at B = 8 and N <= 16 is K / 256 (one 256-float chunk per split, up to
+# one wave of CTAs): 1, 2, 3, 5, 8, 48, 64 and 256 splits, so the epilogue runs at each of its split
+# bounds (forward.cu: all loads at once up to 64 splits, clamped past the last; batches beyond).
+EPILOGUE_SPLITS = [256, 512, 768, 1280, 2048, 12288, 16384, 65536]
+
+
+@pytest.mark.parametrize("in_features", EPILOGUE_SPLITS, ids=lambda k: f"splits{k // 256}")
+def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs, check_forward):
+    x, weight, bias = make_inputs(8, in_features, 3, torch.float32, DEVICE)
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    _, v64 = _pooled64_values(x, weight, bias, 2.0)
+    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+
+
 # Shapes that reach the tensor-core kernels (B > 32): tails in every dimension, K % 4 != 0, one
 # K tile, several splits, and the default shape.
 TC_SHAPES = [(33, 5, 7), (100, 257, 130), (1000, 4099, 513), (129, 32, 129), (1024, 8192, 512)]

@@ -100,14 +100,14 @@ constexpr int64_t kTcMaxSplitWaves = 4;
 // (8192 rows = 8192 warps = 64 per SM on 132 SMs).
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
-// Split partials loaded before they are added (in split order): memory-level parallelism per
-// thread. After partial[0], full batches of kSplitBatch (row_max.cuh) loads, then one load at a
-// time. The SIMT GEMV usually makes 16 splits (one wave of CTAs at N = 512): with 16 or more splits
-// the batch is kEpilogueManySplitBatch = 15, so that those 16 cost one round trip to L2 instead of
-// three. Larger batches cost registers: a 16-load batch at 4 splits took 128 registers and slowed B
-// = 1024 from 7.3 to 11.9 us on the H200. (Measured with this rule and the dependent launch: B = 1
-// 17.8 -> 16.4 us, but B = 128, 32 splits, 26.9 -> 31.3 us: see benchmarks/NOTES.md.)
-constexpr int kEpilogueManySplitBatch = 15;
+// Split partials: up to kEpilogueMaxSplitBound of them are loaded all at once per output
+// (sum_few_splits, compiled for the power of two at or above the call's splits), one round trip to
+// L2; more go in batches of kSplitBatch (row_max.cuh). Batches alone made a chain of round trips:
+// B = 128's 32 splits took 1 + 4 of them (epilogue 7.5 us of 27.3 on the H200), and fewer than 9
+// splits went one load at a time after the first. A thread holds its outputs' loads in registers
+// (ptxas -v: 128 at the bound of 32 with two outputs in flight); the batches that take many splits
+// are the small ones, whose epilogue runs one CTA per row on an otherwise idle GPU.
+constexpr int kEpilogueMaxSplitBound = 64;
 
 // The split-K workspace (splits x rows x N floats) stays within this: larger batches go through
 // GEMM + epilogue in slices of rows, and the planners cap the splits of a slice. Unbounded, it
@@ -141,7 +141,9 @@ struct EpilogueParams {
   int64_t n;
 };
 
-template <int kThreadsPerRow, int kBatch, typename out_t>
+// kSplitBound: the splits' bound for sum_few_splits (1, 2, 4, ..., kEpilogueMaxSplitBound), or 0:
+// batches of kSplitBatch (no split, or more than kEpilogueMaxSplitBound).
+template <int kThreadsPerRow, int kSplitBound, typename out_t>
 __global__ void __launch_bounds__(kEpilogueThreads)
     argmax_epilogue_kernel(const EpilogueParams p, out_t* __restrict__ out,
                            int64_t* __restrict__ argmax, out_t* __restrict__ preactivation) {
@@ -157,9 +159,18 @@ __global__ void __launch_bounds__(kEpilogueThreads)
   Candidate best{-INFINITY, p.n, 0.f};
   if (row < p.batch) {
     const float* row_partial = p.partial + row * p.n;
-#pragma unroll 2
+    // Two outputs' loads in flight per thread, but one at the bound of 64 (two spilled at 255
+    // registers).
+    constexpr int kColumnUnroll = kSplitBound >= 64 ? 1 : 2;
+#pragma unroll kColumnUnroll
     for (int64_t col = col0; col < p.n; col += kThreadsPerRow) {
-      float z = sum_splits<kBatch>(row_partial + col, p.split_stride, p.splits);
+      float z;
+      if constexpr (kSplitBound > 0) {
+        z = sum_few_splits<kSplitBound>(row_partial + col, static_cast<int>(p.split_stride),
+                                        p.splits);
+      } else {
+        z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
+      }
       if (p.bias != nullptr) z += __ldg(p.bias + col);
       // torch's order: gelu(z) first, then the product with scale. A non-finite pre-activation
       // gives NaN, as in the CPU kernel (README "Non-finite values").
@@ -768,7 +779,7 @@ void certified_rescore(const Operand& x, const Operand& w, const float* bias, fl
 template <typename out_t>
 void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argmax,
                      at::Tensor& preactivation, bool dependent_launch, cudaStream_t stream) {
-  auto launch = [&](auto threads_per_row, auto split_batch) {
+  auto launch = [&](auto threads_per_row, auto split_bound) {
     constexpr int kThreadsPerRow = decltype(threads_per_row)::value;
     constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
     const int64_t blocks = ceil_div(p.batch, int64_t{kRowsPerCta});
@@ -778,22 +789,34 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
         dependent_launch_config(blocks, kEpilogueThreads, stream, attribute);
     config.numAttrs = dependent_launch ? 1 : 0;
     C10_CUDA_CHECK(cudaLaunchKernelEx(
-        &config, argmax_epilogue_kernel<kThreadsPerRow, decltype(split_batch)::value, out_t>, p,
+        &config, argmax_epilogue_kernel<kThreadsPerRow, decltype(split_bound)::value, out_t>, p,
         out.data_ptr<out_t>(), argmax.data_ptr<int64_t>(), preactivation.data_ptr<out_t>()));
   };
-  auto with_batch = [&](auto threads_per_row) {
-    // The larger batch only where it makes all partials after the first one round trip (10 to 16
-    // splits); beyond, three 15-load batches lost to the 8-load ones at 32 splits (B = 128).
-    if (p.splits > kSplitBatch + 1 && p.splits <= kEpilogueManySplitBatch + 1) {
-      launch(threads_per_row, std::integral_constant<int, kEpilogueManySplitBatch>{});
+  // The split-K workspace (at most kMaxWorkspaceFloats) keeps sum_few_splits' offsets in an int.
+  auto with_split_bound = [&](auto threads_per_row) {
+    const int splits = p.splits;
+    if (splits == 0 || splits > kEpilogueMaxSplitBound) {
+      launch(threads_per_row, std::integral_constant<int, 0>{});
+    } else if (splits <= 1) {
+      launch(threads_per_row, std::integral_constant<int, 1>{});
+    } else if (splits <= 2) {
+      launch(threads_per_row, std::integral_constant<int, 2>{});
+    } else if (splits <= 4) {
+      launch(threads_per_row, std::integral_constant<int, 4>{});
+    } else if (splits <= 8) {
+      launch(threads_per_row, std::integral_constant<int, 8>{});
+    } else if (splits <= 16) {
+      launch(threads_per_row, std::integral_constant<int, 16>{});
+    } else if (splits <= 32) {
+      launch(threads_per_row, std::integral_constant<int, 32>{});
     } else {
-      launch(threads_per_row, std::integral_constant<int, kSplitBatch>{});
+      launch(threads_per_row, std::integral_constant<int, kEpilogueMaxSplitBound>{});
     }
   };
   if (p.batch >= kEpilogueWarpPerRowMinBatch) {
-    with_batch(std::integral_constant<int, 32>{});
+    with_split_bound(std::integral_constant<int, 32>{});
   } else {
-    with_batch(std::integral_constant<int, kEpilogueThreads>{});
+    with_split_bound(std::integral_constant<int, kEpilogueThreads>{});
   }
 }
 
