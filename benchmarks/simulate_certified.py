@@ -44,6 +44,18 @@ def tf32(a):
     return (a.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
+def fp16_scaled(a):
+    """Each row scaled by a power of two (its largest |value| to [2^14, 2^15), exponent within
+    +-63), rounded to nearest fp16, values below 2^-14 (scaled) flushed to 0, scaled back: the
+    scaled fp16 copies of the branch next/fp16-pass1 (benchmarks/NOTES.md), as float32."""
+    largest = np.abs(a).max(axis=1, keepdims=True)
+    exponent = np.where(largest > 0, 14 - np.floor(np.log2(np.where(largest > 0, largest, 1))), 0)
+    scale = np.exp2(np.clip(exponent, -63, 63)).astype(np.float32)
+    scaled = a * scale
+    scaled = np.where(np.abs(scaled) < 2.0**-14, 0, scaled).astype(np.float32)
+    return (scaled.astype(np.float16).astype(np.float32) / scale).astype(np.float32)
+
+
 def bf16(a):
     """Rounded to nearest (ties to even) to bfloat16, as a float32 array (finite inputs)."""
     bits = a.view(np.uint32).astype(np.uint64)
@@ -55,12 +67,15 @@ def bf16(a):
 # what-if); a float32 x against a bf16 copy of the weight (a what-if for the small-batch GEMV, which
 # runs on CUDA cores and is bound by reading the weight: half the bytes); TF32 x against a bf16
 # copy of the weight (a what-if for a TF32 tensor-core pass reading the bf16 copy, whose values
-# TF32 holds exactly: the weight's bytes halved, x's residual term unchanged).
+# TF32 holds exactly: the weight's bytes halved, x's residual term unchanged); fp16 copies of both,
+# each row scaled by a power of two (the branch next/fp16-pass1: fp16 rounds to nearest where the
+# tensor core truncates to TF32, at twice TF32's rate and half its bytes).
 OPERANDS = {
     "tf32": (tf32, tf32),
     "bf16": (bf16, bf16),
     "bf16-weight": (lambda a: a, bf16),
     "tf32-x-bf16-weight": (tf32, bf16),
+    "fp16-scaled": (fp16_scaled, fp16_scaled),
 }
 
 
