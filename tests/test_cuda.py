@@ -278,8 +278,10 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
 
 
 # The SIMT GEMV's split count at B = 8 and N <= 16 is K / 256 (one 256-float chunk per split, up to
-# one wave of CTAs): 1, 2, 3, 5, 8, 48, 64 and 256 splits, so the epilogue runs at each of its split
-# bounds (forward.cu: all loads at once up to 64 splits, clamped past the last; batches beyond).
+# one wave of CTAs): 1, 2, 3, 5, 8, 48, 64 and 256 splits, so the epilogue runs at its split bounds
+# 1, 2, 4, 8 and 64 (forward.cu: all loads at once, clamped past the last split) and in batches past
+# 64 splits. The bounds 16 and 32 run in the odd shapes above (B = 3, K = 4099: 16 splits at N =
+# 513, 17 at N = 1).
 EPILOGUE_SPLITS = [256, 512, 768, 1280, 2048, 12288, 16384, 65536]
 
 
