@@ -280,8 +280,9 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
 # The SIMT GEMV's split count at B = 8 and N <= 16 is K / 256 (one 256-float chunk per split, up to
 # one wave of CTAs): 1, 2, 3, 5, 8, 48, 64 and 256 splits, so the epilogue runs at its split bounds
 # 1, 2, 4, 8 and 64 (forward.cu: all loads at once, clamped past the last split) and in batches past
-# 64 splits. The bounds 16 and 32 run in the odd shapes above (B = 3, K = 4099: 16 splits at N =
-# 513, 17 at N = 1).
+# 64 splits. The bound 32 also runs in the odd shapes above (B = 3, K = 4099, N <= 3: 17 splits),
+# 16 and 32 at the default shape in test_batch_sweep_meets_the_accuracy_contract (B = 16: 16
+# splits; B = 128: the 3xTF32 GEMM's 32).
 EPILOGUE_SPLITS = [256, 512, 768, 1280, 2048, 12288, 16384, 65536]
 
 
