@@ -652,18 +652,19 @@ struct Selection {
   int* data() const { return reinterpret_cast<int*>(workspace.mutable_data_ptr<float>() + offset); }
 };
 
-// Calls f(std::integral_constant<int, bound>) with the smallest bound of 1, 2, 4 and
-// certified::kMaxSplits at or above splits (forward_certified.cuh: the kernels that sum splits).
-template <typename F>
+// Calls f(std::integral_constant<int, bound>) with the smallest power of two bound at or above
+// splits, kMaxBound for anything above it: the kernels that sum split partials with all their
+// loads at once (sum_few_splits) are compiled for these bounds (the certified selection and norms,
+// forward_certified.cuh, up to certified::kMaxSplits; the epilogue up to kEpilogueMaxSplitBound).
+template <int kMaxBound, int kBound = 1, typename F>
 void dispatch_split_bound(int64_t splits, F&& f) {
-  if (splits <= 1) {
-    f(std::integral_constant<int, 1>{});
-  } else if (splits <= 2) {
-    f(std::integral_constant<int, 2>{});
-  } else if (splits <= 4) {
-    f(std::integral_constant<int, 4>{});
+  static_assert(kMaxBound > 0 && (kMaxBound & (kMaxBound - 1)) == 0, "a power of two");
+  if constexpr (kBound >= kMaxBound) {
+    f(std::integral_constant<int, kMaxBound>{});
+  } else if (splits <= kBound) {
+    f(std::integral_constant<int, kBound>{});
   } else {
-    f(std::integral_constant<int, certified::kMaxSplits>{});
+    dispatch_split_bound<kMaxBound, 2 * kBound>(splits, f);
   }
 }
 
@@ -719,7 +720,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   const cudaLaunchConfig_t norms_config =
       dependent_launch_config(ceil_div(n + batch, int64_t{certified::kThreads}),
                               certified::kThreads, stream, norms_attribute);
-  dispatch_split_bound(splits, [&](auto split_bound) {
+  dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &norms_config, certified::row_norms_kernel<decltype(split_bound)::value>,
         static_cast<const float*>(gemm.w_sumsq), static_cast<const float*>(gemm.w_residual_sumsq),
@@ -745,7 +746,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, attribute);
   config.dynamicSmemBytes = certified::select_smem_bytes(n);
-  dispatch_split_bound(splits, [&](auto split_bound) {
+  dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &config, certified::select_candidates_kernel<decltype(split_bound)::value>, select));
   });
@@ -794,23 +795,11 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
   };
   // The split-K workspace (at most kMaxWorkspaceFloats) keeps sum_few_splits' offsets in an int.
   auto with_split_bound = [&](auto threads_per_row) {
-    const int splits = p.splits;
-    if (splits == 0 || splits > kEpilogueMaxSplitBound) {
+    if (p.splits == 0 || p.splits > kEpilogueMaxSplitBound) {
       launch(threads_per_row, std::integral_constant<int, 0>{});
-    } else if (splits <= 1) {
-      launch(threads_per_row, std::integral_constant<int, 1>{});
-    } else if (splits <= 2) {
-      launch(threads_per_row, std::integral_constant<int, 2>{});
-    } else if (splits <= 4) {
-      launch(threads_per_row, std::integral_constant<int, 4>{});
-    } else if (splits <= 8) {
-      launch(threads_per_row, std::integral_constant<int, 8>{});
-    } else if (splits <= 16) {
-      launch(threads_per_row, std::integral_constant<int, 16>{});
-    } else if (splits <= 32) {
-      launch(threads_per_row, std::integral_constant<int, 32>{});
     } else {
-      launch(threads_per_row, std::integral_constant<int, kEpilogueMaxSplitBound>{});
+      dispatch_split_bound<kEpilogueMaxSplitBound>(
+          p.splits, [&](auto split_bound) { launch(threads_per_row, split_bound); });
     }
   };
   if (p.batch >= kEpilogueWarpPerRowMinBatch) {
