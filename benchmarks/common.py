@@ -315,20 +315,23 @@ def default_results_path(device) -> Path:
 
 
 def git_revision() -> Optional[str]:
+    """The checkout's commit (+dirty); outside a git checkout (a copy of the tree on the GPU
+    machine) the commit named by FUSED_POOL_GELU_GIT_REVISION, if set."""
+    fallback = os.environ.get("FUSED_POOL_GELU_GIT_REVISION") or None
     try:
         rev = subprocess.run(
             ["git", "-C", str(BENCH_DIR), "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, timeout=10,
         )
         if rev.returncode != 0:
-            return None
+            return fallback
         dirty = subprocess.run(
             ["git", "-C", str(BENCH_DIR), "status", "--porcelain", "--untracked-files=no"],
             capture_output=True, text=True, timeout=10,
         )
         return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except Exception:
-        return None
+        return fallback
 
 
 def synchronize(device) -> None:

@@ -2,9 +2,10 @@
 
     python benchmarks/profile_forward.py                       # B in {1, 16, 32, 64, 128, 1024, 4096}
     python benchmarks/profile_forward.py --batches 1024 --out /tmp/profile.json
+    python benchmarks/profile_forward.py --paths certified --prepared both --batches 1024 4096
 
 For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
-sm_90a build on Hopper: the certified path from 769 rows, 3xTF32 below; "mma_sync": the portable
+sm_90a build on Hopper: the certified path from 641 rows, 513 with --prepared, 3xTF32 below; "mma_sync": the portable
 kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1; "certified" / "3xtf32": the certified single pass forced
 on / off, FUSED_POOL_GELU_CERTIFIED=1 / 0), prints every kernel the op launches with its own time /
 device time (common.kernel_device_times: on sm_90+ the kernels after the GEMM are programmatic
@@ -40,12 +41,12 @@ SWITCHES = sorted({name for switches in PATHS.values() for name in switches})
 POOL = 16  # the benchmarks' pooling window
 
 
-def profile(x, weight, bias, calls):
+def profile(x, weight, bias, calls, prepared_weight=None):
     """Returns ({kernel: {"device_us", "own_us"}}, median time of the whole call, us)."""
 
     def call():
         with torch.no_grad():
-            fused_pool_gelu.forward(x, weight, bias, 2.0)
+            fused_pool_gelu.forward(x, weight, bias, 2.0, prepared_weight)
 
     time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
     return common.kernel_device_times(call, calls), time_us(call)
@@ -63,7 +64,7 @@ def candidate_counts(x, weight, bias):
 
 def short_name(name):
     for known in ("wgmma_splitk", "tf32x3_splitk", "simt_splitk", "argmax_epilogue",
-                  "certified_pass1", "row_norms", "select_candidates", "rescore_kernel"):
+                  "prepare_rows", "certified_pass1", "select_candidates", "rescore_kernel"):
         if known in name:
             return known
     return name[:40]
@@ -77,10 +78,14 @@ def main():
     parser.add_argument("-K", type=int, default=8192)
     parser.add_argument("-N", type=int, default=512)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--prepared", choices=["no", "yes", "both"], default="no",
+                        help="pass the weight's prepare_weight copy (made once) to every call")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
 
     weight, bias = common.folded_weights(args.K, args.N * POOL, POOL)
+    prepared_weight = fused_pool_gelu.prepare_weight(weight)
+    prepared_options = {"no": [False], "yes": [True], "both": [False, True]}[args.prepared]
     rows = []
     for path in args.paths:
         for name in SWITCHES:
@@ -89,21 +94,24 @@ def main():
         for batch in args.batches:
             gen = torch.Generator(device="cuda").manual_seed(batch)
             x = torch.rand(batch, args.K, device="cuda", generator=gen)
-            kernels, median = profile(x, weight, bias, args.calls)
-            total = sum(times["own_us"] for times in kernels.values())
-            row = {"path": path, "B": batch, "K": args.K, "N": args.N,
-                   "kernels_us": kernels, "own_sum_us": total, "median_us": median}
-            parts = ", ".join(f"{short_name(k)} {t['own_us']:.1f}/{t['device_us']:.1f}"
-                              for k, t in kernels.items() if t["device_us"] > 0)
-            line = (f"{path:8s} B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us"
-                    f"  (own/device: {parts})")
-            if path == "certified":
-                counts = row["candidates"] = candidate_counts(x, weight, bias)
-                mean = "-" if counts["mean"] is None else f"{counts['mean']:.2f}"
-                line += (f"; candidates per row {mean} mean, {counts['max']} max,"
-                         f" {counts['whole_rows']} rows whole")
-            rows.append(row)
-            print(line, flush=True)
+            for prepared in prepared_options:
+                kernels, median = profile(x, weight, bias, args.calls,
+                                          prepared_weight if prepared else None)
+                total = sum(times["own_us"] for times in kernels.values())
+                row = {"path": path, "B": batch, "K": args.K, "N": args.N, "prepared": prepared,
+                       "kernels_us": kernels, "own_sum_us": total, "median_us": median}
+                parts = ", ".join(f"{short_name(k)} {t['own_us']:.1f}/{t['device_us']:.1f}"
+                                  for k, t in kernels.items() if t["device_us"] > 0)
+                label = path + ("+prep" if prepared else "")
+                line = (f"{label:13s} B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us"
+                        f"  (own/device: {parts})")
+                if path == "certified":
+                    counts = row["candidates"] = candidate_counts(x, weight, bias)
+                    mean = "-" if counts["mean"] is None else f"{counts['mean']:.2f}"
+                    line += (f"; candidates per row {mean} mean, {counts['max']} max,"
+                             f" {counts['whole_rows']} rows whole")
+                rows.append(row)
+                print(line, flush=True)
     common.write_profile(args.out, rows)
 
 

@@ -118,6 +118,14 @@ inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
+// prepare_weight(weight [N, K]): any floating dtype (the copy is made from its float32 values).
+inline void check_prepare_weight_inputs(const at::Tensor& weight) {
+  check_rank("prepare_weight", "weight", weight, 2, "[pooled_features, in_features]");
+  TORCH_CHECK(weight.is_floating_point(),
+              "fused_pool_gelu.prepare_weight: weight must be a floating-point tensor, got ",
+              weight.scalar_type());
+}
+
 // forward_backward(grad_out [B]?, grad_preactivation [B]?, x [B, K], weight [N, K],
 //                  argmax [B] int64, preactivation [B], scale).
 // op: the op named in errors (model_backward checks the same inputs).

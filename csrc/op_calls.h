@@ -36,13 +36,20 @@ inline std::tuple<at::Tensor, at::Tensor> call_fold_backward(const at::Tensor& g
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward_with_argmax(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-    double scale) {
+    double scale, const c10::optional<at::Tensor>& prepared_weight = c10::nullopt) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fused_pool_gelu::forward_with_argmax", "")
                        .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                           double)>();
-  return op.call(x, weight, bias, scale);
+                           double, const c10::optional<at::Tensor>&)>();
+  return op.call(x, weight, bias, scale, prepared_weight);
+}
+
+inline at::Tensor call_prepare_weight(const at::Tensor& weight) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fused_pool_gelu::prepare_weight", "")
+                       .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(weight);
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward_backward(

@@ -21,21 +21,30 @@ namespace fused_pool_gelu {
 
 // forward on a device: forward_with_argmax without the outputs kept for backward.
 static at::Tensor forward_kernel(const at::Tensor& x, const at::Tensor& weight,
-                                 const c10::optional<at::Tensor>& bias, double scale) {
-  return std::get<0>(call_forward_with_argmax(x, weight, bias, scale));
+                                 const c10::optional<at::Tensor>& bias, double scale,
+                                 const c10::optional<at::Tensor>& prepared_weight) {
+  return std::get<0>(call_forward_with_argmax(x, weight, bias, scale, prepared_weight));
 }
 
 // forward's autograd kernel. When a gradient is needed it goes through forward_with_argmax, whose
 // derivative is registered in Python (ops.py); otherwise it dispatches straight to the device
 // kernel, skipping the Python autograd layer: microseconds that matter at small batch.
 static at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& weight,
-                                   const c10::optional<at::Tensor>& bias, double scale) {
+                                   const c10::optional<at::Tensor>& bias, double scale,
+                                   const c10::optional<at::Tensor>& prepared_weight) {
   const bool needs_grad =
       at::GradMode::is_enabled() &&
       (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
-  if (needs_grad) return forward_kernel(x, weight, bias, scale);
+  if (needs_grad) return forward_kernel(x, weight, bias, scale, prepared_weight);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return forward_kernel(x, weight, bias, scale);
+  return forward_kernel(x, weight, bias, scale, prepared_weight);
+}
+
+// prepare_weight's autograd kernel: not differentiable (a copy in another precision, for the
+// forward's selection only), so its output never carries a gradient function.
+static at::Tensor prepare_weight_autograd(const at::Tensor& weight) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return call_prepare_weight(weight);
 }
 
 TORCH_LIBRARY(fused_pool_gelu, m) {
@@ -49,11 +58,19 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
   // out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n]) over the pooled weight [N, K] (exact erf
   // GELU, torch.max semantics: first index on ties, NaN wins). Also returns the arg-max n and the
   // pre-activation x[b] . weight[n] + bias[n] there, which is all the backward needs.
+  // prepared_weight: prepare_weight(weight), or None (the certified CUDA path then makes that copy
+  // itself, per call); checked against weight (prepared_weight.h), not differentiable.
   m.def(
-      "forward_with_argmax(Tensor x, Tensor weight, Tensor? bias, float scale) -> "
-      "(Tensor out, Tensor argmax, Tensor preactivation)");
+      "forward_with_argmax(Tensor x, Tensor weight, Tensor? bias, float scale, "
+      "Tensor? prepared_weight=None) -> (Tensor out, Tensor argmax, Tensor preactivation)");
   // The public forward: out [B] of forward_with_argmax (differentiable through it).
-  m.def("forward(Tensor x, Tensor weight, Tensor? bias, float scale) -> Tensor");
+  m.def(
+      "forward(Tensor x, Tensor weight, Tensor? bias, float scale, "
+      "Tensor? prepared_weight=None) -> Tensor");
+  // What the forward's certified path reads of the pooled weight besides the weight itself: a
+  // scaled fp16 copy of every row with its scale and norms (layout in prepared_weight.h), made once
+  // per weight instead of per call. Tied to this weight: forward refuses it once weight changes.
+  m.def("prepare_weight(Tensor weight) -> Tensor");
   // Arg-max backward of forward_with_argmax (no dense GEMM): a gather for grad_x, a deterministic
   // segment reduction over rows sharing an arg-max for grad_weight and grad_bias [N].
   m.def(
@@ -85,6 +102,7 @@ TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
   m.impl("forward", &forward_autograd);
+  m.impl("prepare_weight", &prepare_weight_autograd);
 }
 
 }  // namespace fused_pool_gelu

@@ -23,7 +23,7 @@ except ImportError as error:  # pragma: no cover - exercised by tests/test_build
 
 from . import ops
 from .model import Model, ModelNew
-from .ops import fold, forward, forward_with_argmax
+from .ops import fold, forward, forward_with_argmax, prepare_weight
 
 __all__ = [
     "__version__",
@@ -34,6 +34,7 @@ __all__ = [
     "Model",
     "ModelNew",
     "ops",
+    "prepare_weight",
 ]
 
 

@@ -36,8 +36,9 @@ class ModelNew(nn.Module):
     """Drop-in replacement for :class:`Model`: same constructor, parameters and state_dict.
 
     The pooling is folded into the weight (``ops.fold``) and the rest runs as one fused op
-    (``ops.forward``). When no gradient is needed, the folded weight is cached and refolded only
-    after ``matmul.weight`` or ``matmul.bias`` change (optimizer step, in-place edit,
+    (``ops.forward``). When no gradient is needed, the folded weight (with, on CUDA in float32,
+    its ``ops.prepare_weight`` copy) is cached and refolded only after ``matmul.weight`` or
+    ``matmul.bias`` change (optimizer step, in-place edit,
     ``load_state_dict``, ``.to()``), detected through the parameters' identity, storage pointer and
     version counter: no host sync per call. Edits through ``.data`` bypass the version counter; call
     :meth:`invalidate_fold` after such an edit. When gradients are needed (training), the fold is
@@ -81,7 +82,7 @@ class ModelNew(nn.Module):
     def folded_parameters(self) -> Tuple[Tensor, Tensor]:
         """(pooled_weight, pooled_bias) for the current parameters, from the cache when valid."""
         linear = self.matmul
-        return self._folded(linear.weight, linear.bias)
+        return self._folded(linear.weight, linear.bias)[:2]
 
     @staticmethod
     def _stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
@@ -93,26 +94,36 @@ class ModelNew(nn.Module):
         return (weight.data_ptr(), weight._version, weight.dtype, weight.device,
                 bias.data_ptr(), bias._version, bias.dtype, bias.device)
 
-    def _folded(self, weight: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    def _folded(
+        self, weight: Tensor, bias: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """(pooled_weight, pooled_bias, prepared_weight or None), from the cache when valid."""
         cache = self._fold_cache
         if cache is not None:
-            weight_ref, bias_ref, stamp, pooled_weight, pooled_bias = cache
+            weight_ref, bias_ref, stamp, folded = cache
             cached_bias = None if bias_ref is None else bias_ref()
             if weight_ref() is weight and cached_bias is bias and stamp == self._stamp(weight, bias):
-                return pooled_weight, pooled_bias
+                return folded
         # Plain tensors even when called under inference_mode: a frozen model cached there must
         # still serve later calls whose x requires grad (autograd cannot save inference tensors).
         with torch.inference_mode(False), torch.no_grad():
             pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
+            # Only the CUDA float32 forward reads the prepared copy (half the pooled weight's
+            # bytes); it is made once here instead of in every large-batch call.
+            prepared_weight = (
+                ops.prepare_weight(pooled_weight)
+                if pooled_weight.is_cuda and pooled_weight.dtype == torch.float32
+                else None
+            )
+        folded = (pooled_weight, pooled_bias, prepared_weight)
         # One assignment of a whole entry: concurrent callers see either the old or the new one.
         self._fold_cache = (
             weakref.ref(weight),
             None if bias is None else weakref.ref(bias),
             self._stamp(weight, bias),
-            pooled_weight,
-            pooled_bias,
+            folded,
         )
-        return pooled_weight, pooled_bias
+        return folded
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .half() / .cuda() may swap storages through `param.data = ...`, which keeps the
@@ -146,8 +157,8 @@ class ModelNew(nn.Module):
         if self._capturing():
             pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
             return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
-        pooled_weight, pooled_bias = self._folded(weight, bias)
-        return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
+        pooled_weight, pooled_bias, prepared_weight = self._folded(weight, bias)
+        return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor, prepared_weight)
 
     def __getstate__(self):
         state = self.__dict__.copy()

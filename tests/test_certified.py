@@ -1,6 +1,6 @@
 """The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch =
-769 rows; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies): a single-pass TF32 GEMM
-with a proven error bound, then float32 rescoring of the columns that may still hold each row's
+641 rows, 513 with a prepared weight; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies): a single-pass GEMM on
+scaled fp16 copies of the rows with a proven error bound, then float32 rescoring of the columns that may still hold each row's
 maximum.
 
 Each test runs the forward with the path forced on and checks the answer against float64 (the same
@@ -34,7 +34,14 @@ def certified(monkeypatch):
 
 
 def _run(x, weight, bias, scale):
+    """The forward's outputs and the candidate counts; also checks that the forward with the
+    weight's prepared copy (prepare_weight, made once) gives the same bits as without it (the
+    copy made inside the call)."""
     out, argmax, preactivation = _OPS.forward_with_argmax(x, weight, bias, scale)
+    prepared = _OPS.prepare_weight(weight)
+    for a, b in zip(_OPS.forward_with_argmax(x, weight, bias, scale, prepared),
+                    (out, argmax, preactivation)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     counts = _OPS._certified_candidate_counts(x, weight, bias, scale)
     return out, argmax, preactivation, counts
 
@@ -44,11 +51,10 @@ def _relative_error(ours, ref):
 
 
 # Default shape, odd sizes (B > 32: the tensor-core range), K = 65536, the widest layer the
-# selection serves (N = 4096: 16 n tiles share each x tile's sums of squares), 9 m tiles. With
-# the last four, pass 1 takes every split count from 1 to 8 (the planner in forward.cu on the
-# H200's 132 SMs, in order: 8, 1, 1, 5, 8, 2, 1, 3, 4, 6, 7), so the selection and norms kernels
-# run at each split bound (1, 2, 4, 8), with and without loads past the last split
-# (sum_few_splits).
+# selection serves (N = 4096, 16 n tiles), 9 m tiles. With the last four, pass 1 takes every split
+# count from 1 to 8 (the planner in forward.cu on the H200's 132 SMs with 64-wide K tiles, in
+# order: 8, 1, 1, 5, 8, 2, 1, 3, 4, 6, 7), so the selection runs at each split bound (1, 2, 4, 8),
+# with and without loads past the last split (sum_few_splits).
 SHAPES = [
     (1024, 8192, 512),
     (33, 4, 1),
@@ -57,10 +63,10 @@ SHAPES = [
     (40, 65536, 64),
     (300, 1000, 4096),
     (1100, 96, 260),
-    (41, 770, 67),
-    (45, 1030, 70),
-    (50, 1540, 33),
-    (37, 1795, 129),
+    (41, 1540, 67),
+    (45, 2100, 70),
+    (50, 3200, 33),
+    (37, 3700, 129),
 ]
 
 
@@ -76,10 +82,11 @@ def test_certified_forward_matches_float64(
     assert _relative_error(out, v64) <= 1e-6
     assert bool(((counts >= 1) & (counts <= 64) | (counts == -1)).all())
     if (batch, in_features, pooled) == (1024, 8192, 512) and scale == 2.0:
-        # benchmarks/simulate_certified.py on data like this: 1.75 candidates per row on average,
-        # 99.9% of rows at most 8 (3.6 and ~21 with the worst-case operand bound r(v) < 2^-10 |v|
-        # instead of the rows' TF32 residual norms: a mean above 3 means those are not in use).
-        assert float(counts.float().mean()) <= 3, counts.float().mean()
+        # benchmarks/simulate_certified.py on data like this: 1.4 candidates per row on average,
+        # 99.9% of rows at most 5 (TF32 operands: 1.7; fp16 with the worst-case operand bound
+        # r(v) <= 2^-11 |v| instead of the rows' residual norms: more than twice the bound; a mean
+        # above 2.5 means the norms are not in use or the copies lost precision).
+        assert float(counts.float().mean()) <= 2.5, counts.float().mean()
         assert int((counts == -1).sum()) <= 2
 
 
@@ -112,22 +119,25 @@ def test_near_ties_one_ulp_apart(certified, make_inputs, check_forward):
     bias[3] = bias[9] = bias.abs().max() + 10
     out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    # Both stay candidates: the TF32 pass cannot tell them apart, the rescoring decides.
+    # Both stay candidates: pass 1's fp16 copies cannot tell them apart, the rescoring decides.
     assert bool(((counts >= 2) | (counts == -1)).all())
     assert bool(((argmax == 3) | (argmax == 9)).all())
 
 
 @pytest.mark.parametrize("lossy", ["both", "x", "weight"])
-def test_tf32_reverses_the_order_and_the_rescoring_restores_it(lossy, certified, check_forward):
-    # v = 1 + 2^-10 - 2^-23 has all 13 low mantissa bits set: TF32 truncation loses 2^-10 of it
-    # (its residual is as large as a residual gets), 1.0 loses nothing. The lossy operands hold v:
+def test_fp16_rounding_reverses_the_order_and_the_rescoring_restores_it(
+    lossy, certified, check_forward
+):
+    # v = 1 + 2^-11 - 2^-23 sits just below the midpoint between 1 and 1 + 2^-10: its fp16 copy
+    # (scaled by 2^14 with its row, which scales the midpoint too) rounds down to 1 with the
+    # largest residual rounding to nearest leaves; 1.0 loses nothing. The lossy operands hold v:
     # both, or only x or only the weight, whose residual norm is then all the bound has to cover
-    # the loss with. Column 0 meets x = +v (its z underestimated by m (p - q), p = xv wv exact, q
-    # = 1 in TF32), column 1 meets x = -v (its negative z overestimated by as much), and column
+    # the loss with. Column 0 meets x = +v (its z underestimated by m (p - q), p = xv wv exact,
+    # q = 1 in fp16), column 1 meets x = -v (its negative z overestimated by as much), and column
     # 1's bias leaves it delta = m (p - q) behind column 0 in exact arithmetic, delta ahead in
-    # TF32. Both must stay candidates and column 0 must win.
+    # pass 1. Both must stay candidates and column 0 must win.
     m = 512
-    v = 1 + 2**-10 - 2**-23
+    v = 1 + 2**-11 - 2**-23
     xv = v if lossy in ("both", "x") else 1.0
     wv = v if lossy in ("both", "weight") else 1.0
     x = torch.tensor([xv] * m + [-xv] * m, device=DEVICE).expand(64, 2 * m).contiguous()
@@ -138,9 +148,10 @@ def test_tf32_reverses_the_order_and_the_rescoring_restores_it(lossy, certified,
     bias[0] = 0.0
     p = xv * wv
     bias[1] = 2 * m * p - m * (p - 1)
-    # The premise, in float64 from the float32 inputs: exact order 0 > 1, truncated order 1 > 0.
+    # The premise, in float64 from the float32 inputs: exact order 0 > 1, rounded order 1 > 0.
     b1 = float(bias[1])
     assert m * p > -m * p + b1 and m * 1.0 < -m * 1.0 + b1
+    assert float(torch.tensor(v).half()) == 1.0
     out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((argmax == 0).all())
@@ -172,12 +183,22 @@ def test_negative_preactivations(scale, certified, make_inputs, check_forward):
 @pytest.mark.parametrize("magnitude", [1e-30, 1e-18, 1e18, 1e25])
 def test_huge_and_tiny_magnitudes(magnitude, certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
-    x = x * magnitude  # x^2 underflows (1e-30), overflows (1e25, the row is rescored whole)
+    x = x * magnitude
     bias = bias * magnitude * 1e-3
     out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     if magnitude == 1e25:
+        # Above 2^77 even the largest scale, 2^-63, leaves x's rows beyond fp16's range: their
+        # copies overflow and every row is rescored whole (kMaxScaleExponent).
         assert bool((counts == -1).all())
+    elif magnitude != 1e-30:
+        # Each row's scale brings it into fp16's range: selected like data of magnitude 1.
+        stats = (int((counts == -1).sum()), float(counts[counts >= 0].float().mean()))
+        assert bool((counts != -1).all()), stats
+        assert float(counts.float().mean()) <= 4, stats
+    # At 1e-30 the scale exponent stops at 63 (forward_certified.cuh, kMaxScaleExponent): the
+    # scaled rows fall below fp16's normal range, their copies are zero, their residuals are the
+    # rows themselves, and the bound lets most columns through (rescored whole, still exact).
 
 
 @pytest.mark.parametrize("magnitude", [1e2, 1e4, 1e6])
@@ -197,8 +218,21 @@ def test_large_preactivations_select_few_columns(magnitude, certified, make_inpu
 
 def test_subnormal_inputs(certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
-    x[:, ::2] *= 1e-40  # half of every row subnormal: the TF32 pass may flush them
+    x[:, ::2] *= 1e-40  # half of every row subnormal: below 2^-14 once scaled, zero in the copy
     weight[:, 1::3] *= 1e-41
+    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+
+
+def test_zero_rows_and_rows_wider_than_fp16(certified, make_inputs, check_forward):
+    # A zero row (scale exponent 0, norms 0), and rows whose magnitudes span far more than the
+    # 2^29 an fp16 copy holds below its largest element: the small part is flushed to zero in the
+    # copy and left to the residual norm.
+    x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
+    x[5] = 0
+    weight[7] = 0
+    x[9, ::7] *= 1e20
+    weight[11, ::5] *= 1e-12
     out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
 
@@ -216,19 +250,22 @@ def test_rows_with_inf_or_nan(pooled, certified, make_inputs, check_forward):
     assert bool((counts == -1).all())
 
 
-@pytest.mark.parametrize("batch", [768, 769])
-def test_the_default_takes_the_certified_path_from_769_rows(batch, certified, monkeypatch):
+# kCertifiedMinBatch = 641 without a prepared weight, kCertifiedPreparedMinBatch = 513 with one.
+@pytest.mark.parametrize("prepared,batch", [(False, 640), (False, 641), (True, 512), (True, 513)])
+def test_the_default_takes_the_certified_path_from_its_batch(prepared, batch, certified,
+                                                             monkeypatch):
     x = torch.rand(batch, 2048, device=DEVICE)
     weight = torch.randn(256, 2048, device=DEVICE) * 0.02
     bias = torch.randn(256, device=DEVICE)
+    prepared_weight = _OPS.prepare_weight(weight) if prepared else None
     forced = _OPS.forward_with_argmax(x, weight, bias, 2.0)  # the fixture forces it on
     monkeypatch.setenv("FUSED_POOL_GELU_CERTIFIED", "0")
-    off = _OPS.forward_with_argmax(x, weight, bias, 2.0)
+    off = _OPS.forward_with_argmax(x, weight, bias, 2.0, prepared_weight)
     monkeypatch.delenv("FUSED_POOL_GELU_CERTIFIED")
-    default = _OPS.forward_with_argmax(x, weight, bias, 2.0)
+    default = _OPS.forward_with_argmax(x, weight, bias, 2.0, prepared_weight)
     # The two paths round differently (float32 dot products in another order): some output
     # differs in its last bits, and the default matches exactly one of them bitwise.
     assert not all(torch.equal(a, b) for a, b in zip(forced, off))
-    expected = forced if batch >= 769 else off
+    expected = forced if batch >= (513 if prepared else 641) else off
     for a, b in zip(default, expected):
         assert torch.equal(a, b)

@@ -439,6 +439,8 @@ def _opcheck_cases(device, requires_grad):
     def leaf(t):
         return t.detach().clone().requires_grad_(requires_grad)
 
+    prepared_leaf = leaf(pooled_weight)  # the weight that the prepared cases' copy is made from
+
     return {
         "fold": (_OPS.fold.default, (leaf(weight), leaf(bias), 3)),
         "fold_no_bias": (_OPS.fold.default, (leaf(weight), None, 3)),
@@ -461,6 +463,15 @@ def _opcheck_cases(device, requires_grad):
             _OPS.forward_with_argmax.default,
             (leaf(x), leaf(pooled_weight), None, 0.5),
         ),
+        "forward_prepared": (
+            _OPS.forward.default,
+            (leaf(x), prepared_leaf, leaf(pooled_bias), 2.0, ops.prepare_weight(prepared_leaf)),
+        ),
+        "forward_with_argmax_prepared": (
+            _OPS.forward_with_argmax.default,
+            (leaf(x), prepared_leaf, None, 0.5, ops.prepare_weight(prepared_leaf)),
+        ),
+        "prepare_weight": (_OPS.prepare_weight.default, (leaf(pooled_weight),)),
         "forward_with_argmax_empty_batch": (
             _OPS.forward_with_argmax.default,
             (leaf(x[:0]), leaf(pooled_weight), leaf(pooled_bias), 2.0),

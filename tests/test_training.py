@@ -217,9 +217,9 @@ def test_model_new_folds_in_float32_under_autocast(device, dtype, grad_mode, mon
         folded.append(tuple(t.dtype for t in result))
         return result
 
-    def recording_forward(x, weight, bias, scale):
+    def recording_forward(x, weight, bias, scale, prepared_weight=None):
         seen.append((weight.dtype, bias.dtype))
-        return real_forward(x, weight, bias, scale)
+        return real_forward(x, weight, bias, scale, prepared_weight)
 
     monkeypatch.setattr(fused_pool_gelu.ops, "fold", recording_fold)
     monkeypatch.setattr(fused_pool_gelu.ops, "forward", recording_forward)

@@ -5,12 +5,14 @@
 // tensor, and one fused pass over each tile does bias + GELU + scale + max + arg-max.
 #include "checks.h"
 #include "cpu/dtypes.h"
+#include "prepared_weight.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -37,13 +39,15 @@ scalar_t activation(scalar_t z, scalar_t scale) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-    double scale) {
+    double scale, const c10::optional<at::Tensor>& prepared_weight) {
   check_forward_inputs(x, weight, bias);
   check_dtype_in("forward", "x", x, kCpuDtypes, kCpuDtypesText);
+  // Checked as on CUDA, then unused: the CPU computes every column in x's dtype.
+  if (prepared_weight.has_value()) check_prepared_weight("forward", *prepared_weight, weight);
   if (is_reduced_float(x)) {
     // float16 / bfloat16 (e.g. under autocast): computed in float32, rounded once at the end.
     auto [out, argmax, pre] = forward_with_argmax_cpu(x.to(at::kFloat), weight.to(at::kFloat),
-                                                      to_float(bias), scale);
+                                                      to_float(bias), scale, c10::nullopt);
     return {out.to(x.scalar_type()), argmax, pre.to(x.scalar_type())};
   }
   const int64_t batch = x.size(0);
@@ -90,10 +94,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
   return {out, argmax, preactivation};
 }
 
+// The prepared weight's layout (prepared_weight.h), made as the CUDA kernel makes it: the same
+// scales and fp16 copy; the norms summed in double and rounded up (upper bounds either way).
+at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
+  check_prepare_weight_inputs(weight);
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const int64_t n = w.size(0);
+  const int64_t k = w.size(1);
+  const int64_t copy_halves = prepared_copy_halves(k);
+  at::Tensor prepared = at::zeros({prepared_bytes(n, k)}, weight.options().dtype(at::kByte));
+  const float* source = w.const_data_ptr<float>();
+  at::Half* const rows = reinterpret_cast<at::Half*>(prepared.mutable_data_ptr<uint8_t>());
+  float* const trailers = reinterpret_cast<float*>(rows + n * copy_halves);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* v = source + row * k;
+      at::Half* copy = rows + row * copy_halves;
+      float largest = 0.f;  // fmax ignores NaN, as the kernel's fmaxf does
+      for (int64_t i = 0; i < k; ++i) largest = std::fmax(largest, std::fabs(v[i]));
+      int exponent = 0;
+      if (largest > 0.f && std::isfinite(largest)) {
+        exponent = std::clamp(14 - std::ilogb(largest), -kPreparedMaxScaleExponent,
+                              kPreparedMaxScaleExponent);
+      }
+      const float scale = std::ldexp(1.f, exponent);
+      double squares = 0.0, residual_squares = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const float scaled = v[i] * scale;
+        const at::Half half(std::fabs(scaled) < 0x1p-14f ? 0.f : scaled);
+        const float residual = scaled - static_cast<float>(half);
+        copy[i] = half;
+        squares += static_cast<double>(scaled) * scaled;
+        residual_squares += static_cast<double>(residual) * residual;
+      }
+      // sqrt(sum) 2^-e, and enough above it to cover the double sum's own rounding.
+      auto norm = [&](double sum) {
+        const double bound = std::sqrt(sum) * (1.0 + 0x1p-40) * std::ldexp(1.0, -exponent);
+        const float f = static_cast<float>(bound);
+        return static_cast<double>(f) >= bound ? f : std::nextafter(f, INFINITY);
+      };
+      float* trailer = trailers + 4 * row;
+      trailer[kPreparedNorm] = norm(squares);
+      trailer[kPreparedResidualNorm] = norm(residual_squares);
+      trailer[kPreparedInverseScale] = std::ldexp(1.f, -exponent);
+    }
+  });
+  record_prepared_weight(prepared, weight);
+  return prepared;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
   m.impl("forward_with_argmax", &forward_with_argmax_cpu);
+  m.impl("prepare_weight", &prepare_weight_cpu);
 }
 
 }  // namespace fused_pool_gelu

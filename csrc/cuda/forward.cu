@@ -9,11 +9,14 @@
 //   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum.
-// On sm_90a, from kCertifiedMinBatch rows (use_certified), the certified path replaces both: a
-// single-pass TF32 GEMM (forward_gemm_sm90.cuh's certified_pass1_kernel), the x and weight rows'
-// norms, a selection of the columns that may hold the row's maximum by a proven error bound, and a
-// float32 rescoring of those (forward_certified.cuh): four launches, the same results as the
-// 3xTF32 path's to float32 rounding, with the same tie and NaN rules.
+// On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight;
+// use_certified), the certified path replaces both: a scaled fp16 copy of the weight rows with
+// their norms (prepared_weight.h; skipped when the caller passes prepare_weight's), a single-pass
+// fp16 GEMM that converts x as it goes (forward_gemm_sm90.cuh's certified_pass1_kernel), x's
+// norms, a selection of the columns that may hold the row's maximum by a proven error bound, and
+// a float32 rescoring of those (forward_certified.cuh): four or five launches, the same results
+// as the 3xTF32 path's to float32 rounding, with the same tie and NaN rules, and the same bits
+// with or without a prepared weight.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
 // through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
 #include <ATen/core/Tensor.h>
@@ -46,6 +49,7 @@
 #include "forward_certified.cuh"
 #include "forward_gemm.cuh"
 #include "forward_gemm_sm90.cuh"
+#include "prepared_weight.h"
 #include "row_max.cuh"
 
 namespace fused_pool_gelu {
@@ -63,15 +67,18 @@ namespace fg = forward_gemm;
 // 128-row tiles are mostly padding below ~32 rows.
 constexpr int64_t kSimtMaxBatch = 32;
 
-// The certified path (see the top) from this batch on. H200 medians on the benchmarks' data (a
-// folded nn.Linear, x ~ U(0, 1)), certified against 3xTF32 (profile_forward.py, the bound with
-// residual norms, benchmarks/NOTES.md): B = 512 75.1 / 49.7 us, 768 74.3 / 72.0, 832 78.4 / 84.5,
-// 960 74.6 / 88.3, 1024 77.7 / 87.9, 4096 207.4 / 331.2. Both paths' times step with the 128-row
-// tiles: 3xTF32 takes 12 us more at 7 tiles (769-896 rows) than at 6 (768), certified ~4, so the
-// switch sits at 7 tiles, where the policy test checks it. Below, pass 1 (38-49 us from 512 to 1024
-// rows: too few tiles to fill the GPU without splits) and the selection and rescoring cost more
-// than the 3xTF32 GEMM saves.
-constexpr int64_t kCertifiedMinBatch = 6 * fg::kPass1BlockM + 1;
+// The certified path (see the top) from this batch on: kCertifiedMinBatch rows when it makes the
+// weight's fp16 copy itself, kCertifiedPreparedMinBatch when the caller passes one
+// (prepare_weight). H200 medians on the benchmarks' data (a folded nn.Linear, x ~ U(0, 1);
+// profile_forward.py, 2026-11-30 03:22 UTC), certified (copy made per call / prepared) against
+// 3xTF32: B = 512 62.6 / 56.2 against 49.2 us, 576 64.8 / 59.4 against 67.9, 640 65.6 / 59.6
+// against 61.3, 704 69.3 / 63.4 against 77.6, 768 68.9 / 62.9 against 71.7, 1024 77.2 / 69.4
+// against 87.5, 4096 170.1 / 160.5 against 334.6. Pass 1 takes 31-38 us from 512 to 1024 rows (too
+// few 128-row tiles to fill the GPU without splits), and 3xTF32 steps with its tiles; the switches
+// sit at the first tile count from which certified wins at every measured batch (5 tiles + 1 row
+// and 4 tiles + 1 row), where the policy test checks them.
+constexpr int64_t kCertifiedMinBatch = 5 * fg::kPass1BlockM + 1;
+constexpr int64_t kCertifiedPreparedMinBatch = 4 * fg::kPass1BlockM + 1;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
@@ -580,18 +587,20 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain
     const float f = static_cast<float>(v);
     return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
   };
+  const double depth = static_cast<double>(certified::reduction_depth(k_padded / 4));
+  const double squares_depth = std::max(k + s, depth);
   const double g_sum = gamma(std::ceil(k / chain) + s + 2, 0x1p-24);
-  const double g_tc = gamma(std::ceil(chain / fg::kWgMmaK), 10.0 * 0x1p-23);
+  // The accumulation model counts k8 steps; an fp16 wgmma's k16 step is two of them.
+  const double g_tc = gamma(std::ceil(chain / 8.0), 10.0 * 0x1p-23);
   const double g = g_tc * (1.0 + g_sum) + g_sum;
   certified::Bound b{};
   b.operand = up(1.0 + g);
   b.accumulation = up(g);
   b.bias = up(g_sum);
-  b.absolute = up((1.0 + g) * 0x1p-126 * (2.0 * k + s + 2.0));
-  b.per_norm = up((1.0 + g) * 0x1p-126 * std::sqrt(k));
-  b.squares_floor = up((k + s) * 0x1p-148);
-  b.norm_slack = up(1.0 + gamma(k + s, 0x1p-24) + 0x1p-22);
-  b.rescore = up(gamma(static_cast<double>(certified::rescore_depth(k_padded / 4)), 0x1p-24));
+  b.absolute = up((1.0 + g) * s * 0x1p-149);
+  b.squares_floor = up(k * 0x1p-148);
+  b.norm_slack = up(1.0 + gamma(squares_depth, 0x1p-24) + 0x1p-22);
+  b.rescore = up(gamma(depth, 0x1p-24));
   return b;
 }
 
@@ -608,17 +617,19 @@ bool certified_applies(const DeviceInfo& info, const at::Tensor& x, const at::Te
 }
 
 bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
-                   int64_t batch, int64_t n, int64_t k_padded, double scale) {
+                   bool prepared, int64_t batch, int64_t n, int64_t k_padded, double scale) {
   const CertifiedMode mode = certified_mode();
-  return mode != CertifiedMode::kNever &&
-         (mode == CertifiedMode::kAlways || batch >= kCertifiedMinBatch) &&
+  const int64_t min_batch = prepared ? kCertifiedPreparedMinBatch : kCertifiedMinBatch;
+  return mode != CertifiedMode::kNever && (mode == CertifiedMode::kAlways || batch >= min_batch) &&
          certified_applies(info, x, weight, batch, n, k_padded, scale);
 }
 
-// Pass 1's 2-D fp32 tensor map over an operand's first `rows` rows and k_padded columns: boxes of
-// 32 columns (128 bytes, the swizzle span) x box_rows rows, 128-byte swizzle, zeros out of bounds.
-// The driver's encoder is reached through the runtime (no link against libcuda).
-CUtensorMap tensor_map(const Operand& operand, int64_t rows, int64_t k_padded, int box_rows) {
+// Pass 1's 2-D tensor map over `rows` rows of k_padded elements (row stride ld elements): boxes of
+// 128 bytes (the swizzle span) x box_rows rows, 128-byte swizzle, zeros out of bounds. The driver's
+// encoder is reached through the runtime (no link against libcuda).
+template <typename T>
+CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t k_padded, int box_rows) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, __half>, "float32 or fp16");
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* function = nullptr;
@@ -631,14 +642,17 @@ CUtensorMap tensor_map(const Operand& operand, int64_t rows, int64_t k_padded, i
   }();
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_padded), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(operand.ld) * sizeof(float)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(fg::kPass1BlockK),
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * sizeof(T)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / sizeof(T)),
                              static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult result = encode(
-      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(operand.data), dims, strides,
-      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult result =
+      encode(&map,
+             std::is_same_v<T, float> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                      : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             2, const_cast<T*>(data), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "fused_pool_gelu.forward: cuTensorMapEncodeTiled failed (",
               static_cast<int>(result), ")");
   return map;
@@ -668,11 +682,45 @@ void dispatch_split_bound(int64_t splits, F&& f) {
   }
 }
 
-// Pass 1 (single-pass TF32 wgmma, with the rows' sums of squares), the rows' norms and the
-// selection, each a programmatic dependent of the one before.
+// The prepared weight's norm constants (prepared_weight.h): its sums of squares are one
+// reduction per row (reduction_depth), whatever pass 1's splits.
+void prepared_norm_constants(int64_t k_padded, float& squares_floor, float& norm_slack) {
+  auto up = [](double v) {
+    const float f = static_cast<float>(v);
+    return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
+  };
+  const double depth = static_cast<double>(certified::reduction_depth(k_padded / 4));
+  squares_floor = up(static_cast<double>(k_padded) * 0x1p-148);
+  norm_slack = up(1.0 + depth * 0x1p-24 / (1.0 - depth * 0x1p-24) + 0x1p-22);
+}
+
+// Writes the prepared weight of w's n rows (prepared_bytes(n, k_padded) bytes at `prepared`,
+// 16-byte aligned).
+void launch_prepare(const Operand& w, int64_t n, int64_t k_padded, uint8_t* prepared,
+                    cudaStream_t stream) {
+  if (n == 0) return;
+  TORCH_CHECK(n <= kMaxGridX, "fused_pool_gelu.prepare_weight: weight must have at most ",
+              kMaxGridX, " rows, got ", n);
+  certified::PrepareParams params{};
+  params.w = w.data;
+  params.ldw = w.ld;
+  params.n = n;
+  params.k4 = k_padded / 4;
+  params.copy_halves = prepared_copy_halves(k_padded);
+  params.copy = reinterpret_cast<__half*>(prepared);
+  params.trailers = reinterpret_cast<float4*>(prepared + prepared_copy_bytes(n, k_padded));
+  prepared_norm_constants(k_padded, params.squares_floor, params.norm_slack);
+  certified::prepare_rows_kernel<<<static_cast<unsigned>(n), certified::kThreads, 0, stream>>>(
+      params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The weight's prepared copy (prepared_weight.h; made here unless the caller passes one), pass 1
+// (single-pass fp16 wgmma), x's norms and the selection, each a programmatic dependent of the one
+// before.
 Selection certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
-                           const float* bias, float scale, int64_t batch, int64_t n,
-                           int64_t k_padded, const at::TensorOptions& options,
+                           const uint8_t* prepared, const float* bias, float scale, int64_t batch,
+                           int64_t n, int64_t k_padded, const at::TensorOptions& options,
                            cudaStream_t stream) {
   const int64_t tiles =
       ceil_div(batch, int64_t{fg::kPass1BlockM}) * ceil_div(n, int64_t{fg::kPass1BlockN});
@@ -687,46 +735,62 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   TORCH_CHECK(splits >= 1 && splits <= certified::kMaxSplits,
               "fused_pool_gelu.forward: internal error: ", splits, " certified splits");
   // One allocation (each costs host time in every call), freed on return: the caching allocator
-  // reuses it only after this stream's kernels. The partials, the x and weight rows' split sums of
-  // squares and of squared residuals, the weight and x norms (float pairs: an even offset keeps
-  // them 8-byte aligned), then the selection's ints, which the caller keeps.
-  const int64_t sums_floats = splits * (batch * n + 2 * batch + 2 * n);
-  const int64_t norms_offset = sums_floats + sums_floats % 2;
-  const int64_t selection_offset = norms_offset + 2 * (n + batch);
+  // reuses it only after this stream's kernels. The partials; x's split sums of squares, of squared
+  // residuals and scale exponents; x's norms (float pairs: an even offset keeps them 8-byte
+  // aligned); the weight's prepared copy unless the caller has one (at a 16-byte offset, as TMA
+  // needs); then the selection's ints, which the caller keeps.
+  const int64_t copy_halves = prepared_copy_halves(k_padded);
+  const int64_t sums_offset = splits * batch * n;
+  const int64_t norms_offset = ceil_div(sums_offset + 3 * splits * batch, int64_t{2}) * 2;
+  const int64_t copy_offset = ceil_div(norms_offset + 2 * batch, int64_t{4}) * 4;
+  const int64_t copy_floats =
+      prepared == nullptr ? ceil_div(prepared_bytes(n, k_padded), int64_t{4}) : 0;
+  const int64_t selection_offset = copy_offset + copy_floats;
   const int64_t selection_ints = batch * (1 + certified::kMaxCandidates);
-  static_assert(sizeof(int) == sizeof(float), "the selection's ints share the float allocation");
+  static_assert(sizeof(int) == sizeof(float) && 2 * sizeof(__half) == sizeof(float),
+                "the ints and the fp16 copy share the float allocation");
   Selection selection;
   selection.workspace = at::empty({selection_offset + selection_ints}, options.dtype(at::kFloat));
   selection.offset = selection_offset;
-  float* partial = selection.workspace.data_ptr<float>();
+  float* const partial = selection.workspace.data_ptr<float>();
+  const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
+  auto* const x_norms = reinterpret_cast<certified::Norms*>(partial + norms_offset);
+  if (prepared == nullptr) {
+    uint8_t* const copy = reinterpret_cast<uint8_t*>(partial + copy_offset);
+    launch_prepare(w, n, k_padded, copy, stream);
+    prepared = copy;
+  }
+  // Row n's trailer: 4 floats at trailers + 4 n.
+  const float* const trailers =
+      reinterpret_cast<const float*>(prepared + prepared_copy_bytes(n, k_padded));
 
   fg::GemmParams gemm = gemm_params(x, w, partial, batch, n, k_padded, k_per_split, 0, batch);
-  gemm.x_sumsq = partial + splits * batch * n;
+  gemm.w_inverse_scale = trailers + kPreparedInverseScale;
+  gemm.w_inverse_scale_stride = 4;
+  gemm.x_sumsq = partial + sums_offset;
   gemm.x_residual_sumsq = gemm.x_sumsq + splits * batch;
-  gemm.w_sumsq = gemm.x_residual_sumsq + splits * batch;
-  gemm.w_residual_sumsq = gemm.w_sumsq + splits * n;
-  const fg::TmaMaps maps{tensor_map(x, batch, k_padded, fg::kPass1BlockM),
-                         tensor_map(w, n, k_padded, fg::kPass1BlockN)};
-  const dim3 grid(static_cast<unsigned>(ceil_div(n, int64_t{fg::kPass1BlockN})),
-                  static_cast<unsigned>(ceil_div(batch, int64_t{fg::kPass1BlockM})),
-                  static_cast<unsigned>(splits));
-  fg::certified_pass1_kernel<<<grid, fg::kWgThreads, fg::kPass1SmemBytes, stream>>>(gemm, maps);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  gemm.x_scale_exponent = reinterpret_cast<int*>(gemm.x_residual_sumsq + splits * batch);
+  const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, fg::kPass1BlockM),
+                         tensor_map(reinterpret_cast<const __half*>(prepared), copy_halves, n,
+                                    k_padded, fg::kPass1BlockN)};
+  cudaLaunchAttribute pass1_attribute{};
+  cudaLaunchConfig_t pass1_config =
+      dependent_launch_config(1, fg::kWgThreads, stream, pass1_attribute);
+  pass1_config.gridDim = dim3(static_cast<unsigned>(ceil_div(n, int64_t{fg::kPass1BlockN})),
+                              static_cast<unsigned>(ceil_div(batch, int64_t{fg::kPass1BlockM})),
+                              static_cast<unsigned>(splits));
+  pass1_config.dynamicSmemBytes = fg::kPass1SmemBytes;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel, gemm, maps));
 
-  const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
-  auto* const w_norms = reinterpret_cast<certified::Norms*>(partial + norms_offset);
-  certified::Norms* const x_norms = w_norms + n;
   cudaLaunchAttribute norms_attribute{};
-  const cudaLaunchConfig_t norms_config =
-      dependent_launch_config(ceil_div(n + batch, int64_t{certified::kThreads}),
-                              certified::kThreads, stream, norms_attribute);
+  const cudaLaunchConfig_t norms_config = dependent_launch_config(
+      ceil_div(batch, int64_t{certified::kThreads}), certified::kThreads, stream, norms_attribute);
   dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
     C10_CUDA_CHECK(cudaLaunchKernelEx(
-        &norms_config, certified::row_norms_kernel<decltype(split_bound)::value>,
-        static_cast<const float*>(gemm.w_sumsq), static_cast<const float*>(gemm.w_residual_sumsq),
-        n, static_cast<const float*>(gemm.x_sumsq),
-        static_cast<const float*>(gemm.x_residual_sumsq), batch, static_cast<int>(splits), bound,
-        w_norms, x_norms));
+        &norms_config, certified::x_norms_kernel<decltype(split_bound)::value>,
+        static_cast<const float*>(gemm.x_sumsq), static_cast<const float*>(gemm.x_residual_sumsq),
+        static_cast<const int*>(gemm.x_scale_exponent), batch, static_cast<int>(splits),
+        bound.squares_floor, bound.norm_slack, x_norms));
   });
 
   certified::SelectParams select{};
@@ -734,7 +798,9 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   select.split_stride = static_cast<int>(batch * n);
   select.splits = static_cast<int>(splits);
   select.x_norms = x_norms;
-  select.w_norms = w_norms;
+  static_assert(kPreparedResidualNorm == kPreparedNorm + 1, "a Norms pair");
+  select.w_norms = reinterpret_cast<const certified::Norms*>(trailers + kPreparedNorm);
+  select.w_norms_stride = 2;  // in Norms: one trailer
   select.bias = bias;
   select.scale = scale;
   select.batch = batch;
@@ -811,10 +877,12 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-    double scale) {
+    double scale, const c10::optional<at::Tensor>& prepared_weight) {
   check_forward_inputs(x, weight, bias);
   check_dtype_in("forward", "x", x, {at::kFloat, at::kHalf, at::kBFloat16},
                  "float32, float16 or bfloat16");
+  // Checked whichever path runs (only the certified one reads it): a stale one fails every call.
+  if (prepared_weight.has_value()) check_prepared_weight("forward", *prepared_weight, weight);
   c10::cuda::CUDAGuard guard(x.device());
 
   const int64_t batch = x.size(0);
@@ -838,11 +906,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   // K == 0 needs no GEMM and no workspace (z = bias): one slice.
   const Operand x_op = k > 0 ? as_kernel_operand(x, k_padded) : Operand{};
   const Operand w_op = k > 0 ? as_kernel_operand(weight, k_padded) : Operand{};
-  if (k > 0 && use_certified(info, x, weight, batch, n, k_padded, scale)) {
+  if (k > 0 && use_certified(info, x, weight, prepared_weight.has_value(), batch, n, k_padded,
+                             scale)) {
     const float* bias_data = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
     const float scale_f32 = static_cast<float>(scale);
-    const Selection selection = certified_select(info, x_op, w_op, bias_data, scale_f32, batch, n,
-                                                 k_padded, x.options(), stream);
+    const uint8_t* prepared =
+        prepared_weight.has_value() ? prepared_weight->const_data_ptr<uint8_t>() : nullptr;
+    const Selection selection = certified_select(info, x_op, w_op, prepared, bias_data,
+                                                 scale_f32, batch, n, k_padded, x.options(),
+                                                 stream);
     certified_rescore(x_op, w_op, bias_data, scale_f32, batch, n, k_padded, selection, out,
                       argmax, preactivation, stream);
     return {out, argmax, preactivation};
@@ -916,10 +988,26 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
   const Operand x_op = as_kernel_operand(x, k_padded);
   const Operand w_op = as_kernel_operand(weight, k_padded);
   const Selection selection = certified_select(
-      info, x_op, w_op, bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr,
+      info, x_op, w_op, nullptr, bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr,
       static_cast<float>(scale), batch, n, k_padded, x.options(),
       c10::cuda::getCurrentCUDAStream());
   return selection.workspace.narrow(0, selection.offset, batch).view(at::kInt).clone();
+}
+
+at::Tensor prepare_weight_cuda(const at::Tensor& weight) {
+  check_prepare_weight_inputs(weight);
+  c10::cuda::CUDAGuard guard(weight.device());
+  const int64_t n = weight.size(0);
+  const int64_t k = weight.size(1);
+  const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
+  at::Tensor prepared = at::empty({prepared_bytes(n, k)}, weight.options().dtype(at::kByte));
+  // K == 0: no row to read; the kernel writes the trailers (norms 0, inverse scale 1).
+  const Operand w_op = k > 0 && n > 0 ? as_kernel_operand(weight, k_padded) : Operand{};
+  launch_prepare(w_op, n, k_padded,
+                 prepared.mutable_data_ptr<uint8_t>(),
+                 c10::cuda::getCurrentCUDAStream());
+  record_prepared_weight(prepared, weight);
+  return prepared;
 }
 
 }  // namespace
@@ -928,5 +1016,6 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
   m.impl("forward_with_argmax", &fused_pool_gelu::cuda::forward_with_argmax_cuda);
+  m.impl("prepare_weight", &fused_pool_gelu::cuda::prepare_weight_cuda);
   m.impl("_certified_candidate_counts", &fused_pool_gelu::cuda::certified_candidate_counts_cuda);
 }

@@ -1,45 +1,59 @@
 // Certified single pass (sm_90a, float32; the default from kCertifiedMinBatch rows, see forward.cu
-// and FUSED_POOL_GELU_CERTIFIED; measurements in benchmarks/NOTES.md): a single-pass TF32 GEMM
+// and FUSED_POOL_GELU_CERTIFIED; measurements in benchmarks/NOTES.md): a single-pass fp16 GEMM
 // gives every z[b, n] up to a proven error bound; only the columns that may still hold the row's
 // maximum are recomputed in float32.
 //
-// The bound. z = x . w + bias over K; pass 1 computes z~ = sum over splits s of the tensor core's
-// sum of tf32(x_i) tf32(w_i) over the split's K range, plus bias, in float32.
-//  1. Operands: the tensor core reads the top 19 bits of a float32, truncated or rounded to
-//     nearest, and may flush a subnormal to zero. With r(v) = |v - trunc19(v)| (tf32_residual,
-//     exact in float32; trunc19 clears the 13 low significand bits): truncation errs by r(v),
-//     rounding to nearest by min(r(v), ulp - r(v)) <= r(v) and grows |v| by at most r(v), a flush
-//     errs by |v| < 2^-126. So |v - tf32(v)| <= r(v) + 2^-126 and |tf32(v)| <= |v| + r(v), and
-//     from x w - tf32(x) tf32(w) = x (w - tf32(w)) + (x - tf32(x)) tf32(w), with r(w) <= |w|:
-//     |x w - tf32(x) tf32(w)| <= |x| r(w) + r(x) (|w| + r(w)) + 2^-126 (|x| + 2 |w|).
-//     Pass 1 sums r^2 over every row next to the squares; r(v) is ~0.4 2^-10 |v| in RMS for
-//     random significands, so these norms make the bound ~2.3x tighter than the worst case
-//     r(v) < 2^-10 |v| (benchmarks/simulate_certified.py: 4.3 -> 1.7 candidates per row).
-//  2. Products of two 11-bit significands are exact in float32; a product below 2^-126 may be
-//     flushed: 2^-126 each.
+// The fp16 copies. Every weight row v gets a power-of-two scale 2^e (prepare_rows_kernel, in the
+// call or ahead of it by prepare_weight, prepared_weight.h: the row's largest |v_i| 2^e in
+// [2^14, 2^15)), every x row one per split (pass 1, from the
+// split's first 64 columns: their largest |v_i| 2^e in [2^10, 2^11), leaving a factor 32 of fp16's
+// range for the split's later columns), |e| <= kMaxScaleExponent either way, and pass 1 multiplies
+// h_i = fp16(v_i 2^e), rounded to nearest, or 0 where |v_i 2^e| < 2^-14, fp16's smallest normal:
+// the tensor core never sees a subnormal, so how it treats them does not matter. fp16 keeps 11
+// significant bits, as TF32 does, but rounds to nearest where the tensor core truncates float32
+// to TF32, and takes half the bytes at twice the tensor-core rate; its narrow exponent range is
+// what the scales are for. r_i = v_i 2^e - h_i is exact in float32 (h_i is 0, or within a factor
+// 2 of v_i 2^e, and both are multiples of ulp(v_i 2^e) where h_i != 0); a value that overflows
+// fp16 (above 65504 once scaled) makes h_i infinite, and with it z~ and the residual norm: the row
+// is rescored whole.
+//
+// The bound. z = x . w + bias over K; pass 1 computes z~ = sum over splits s of (the tensor core's
+// sum of h_x,i h_w,i over the split's K range) 2^-(e_x,s + e_w), plus bias, in float32. In each
+// split's scaled units x' = x 2^e_x,s, w' = w 2^e_w:
+//  1. Operands: x'_i w'_i - h_x,i h_w,i = x'_i r_w,i + r_x,i h_w,i and |h_w,i| <= |w'_i| + |r_w,i|.
+//  2. Products of two 11-bit significands are exact in float32, and none is subnormal (normal
+//     fp16 values are multiples of 2^-24 of at least 2^-14, so every sum of their products is 0
+//     or at least 2^-48).
 //  3. Tensor-core accumulation. Model (DESIGN.md; Fasi et al. 2021 measured tensor cores aligning
 //     the addends to the largest exponent and truncating): one k8 step adds its 8 products to the
 //     accumulator with an error below 10 u (|acc| + sum |p|), u = 2^-23 (9 aligned addends, one
-//     normalization), plus 2^-126 for a flushed subnormal. A chain of m steps (C = 8 m products,
-//     from a zeroed accumulator to the float32 registers it is added into) then errs by at most
-//     ((1 + 10 u)^m - 1) sum |p| <= g_tc sum |p|, g_tc = gamma_m(10 u) (each step's error is at
-//     most 10 u times sums that earlier steps grew by at most (1 + 10 u) each). C is a whole
-//     split in certified_pass1_kernel: its 128 accumulator floats per thread leave no room for a
-//     second set to flush into (at the default shape, 1024 products: g_tc ~ 2^-12.7, next to the
-//     operands' ~2^-10 with step 1's residual norms).
-//  4. Float32 additions (round to nearest, no flush): the chains' results, the S split partials
-//     and the bias, at most K / C + S + 2 deep: g_sum = gamma_{K/C + S + 2}(2^-24), with
-//     gamma_m(u) = m u / (1 - m u).
-//  Summing, with g = g_tc (1 + g_sum) + g_sum, O = sum over i of step 1's bound and
-//  sum |tf32(x_i) tf32(w_i)| <= sum |x_i| |w_i| + O: |z~ - z| <= (1 + g) O + g sum |x_i| |w_i|
-//     + g_sum |bias| + (1 + g) 2^-126 (2 K + S + 2),
-//  and Cauchy-Schwarz (sum |a_i| |b_i| <= ||a||_2 ||b||_2, ||v||_1 <= sqrt(K) ||v||_2, the
-//  triangle inequality for ||w| + r(w)||): O <= ||x|| ||r(w)|| + ||r(x)|| (||w|| + ||r(w)||)
-//  + 2^-126 sqrt(K) (||x|| + 2 ||w||). The norms come from pass 1 (sums of squares in float32,
-//  round to nearest, no flush-to-zero: relative error below gamma' = (K + S) 2^-24 /
-//  (1 - (K + S) 2^-24) plus 2^-149 per term lost in the subnormal range), taken as
-//  sqrt(sum + (K + S) 2^-148) (1 + gamma' + 2^-22).
-// The float32 rescoring (rescore_dots: an FMA chain per thread, then a fixed tree; rescore_depth
+//     normalization). A k16 step of fp16 wgmma adds its 16 products as one block (17 aligned
+//     addends: below 18 u) or as two such k8 steps: either way within the k8 model applied twice.
+//     A chain of m k8 steps (C = 8 m products, from a zeroed accumulator to the float32
+//     registers it is stored from) then errs by at most ((1 + 10 u)^m - 1) sum |p| <= g_tc sum |p|,
+//     g_tc = gamma_m(10 u) (each step's error is at most 10 u times sums that earlier steps grew by
+//     at most (1 + 10 u) each). C is a whole split in certified_pass1_kernel: its 128 accumulator
+//     floats per thread leave no room for a second set to flush into (at the default shape, 1024
+//     products: g_tc ~ 2^-12.7, next to the operands' ~2^-12 with the residual norms).
+//  4. Unscaling: 2^-(e_x,s + e_w) is a normal float (|e_x,s + e_w| <= 2 kMaxScaleExponent < 127),
+//     so the product is exact unless it is subnormal: 2^-150 per split partial. Scaling by a power
+//     of two carries 1-3 over to the original units exactly (residuals included: r 2^-e).
+//  5. Float32 additions (round to nearest, no flush; a subnormal sum is exact): the S split
+//     partials and the bias, at most S + 1 deep, and the chains' results inside a split (one chain
+//     per split here): g_sum = gamma_{K/C + S + 2}(2^-24), with gamma_m(u) = m u / (1 - m u).
+//  Summing, with g = g_tc (1 + g_sum) + g_sum, O = sum over i of |x_i| |r_w,i| + |r_x,i| (|w_i| +
+//  |r_w,i|) (original units: r 2^-e) and sum |h_x,i h_w,i| 2^-(e_x,s + e_w) <= sum |x_i| |w_i| + O:
+//  |z~ - z| <= (1 + g) O + g sum |x_i| |w_i| + g_sum |bias| + (1 + g) S 2^-149,
+//  and Cauchy-Schwarz (sum |a_i| |b_i| <= ||a||_2 ||b||_2, the triangle inequality for
+//  ||w| + |r_w||): O <= ||x|| ||r_w|| + ||r_x|| (||w|| + ||r_w||), all in the original units. The
+//  norms are sums of squares of scaled values and of their residuals in float32, round to
+//  nearest, no flush, at most D deep: relative error below gamma' = gamma_D(2^-24), plus 2^-149
+//  per term lost in the subnormal range; taken as sqrt(sum + K 2^-148) (1 + gamma' + 2^-22) 2^-e,
+//  rounded up. The weight's come from prepare_rows_kernel, one reduction per row (D =
+//  reduction_depth, forward.cu's prepared_norm_constants); x's from pass 1's per-split sums
+//  (D = max(K + S, reduction_depth); x_norms_kernel brings them to one scale and adds them,
+//  rounding up).
+// The float32 rescoring (rescore_dots: an FMA chain per thread, then a fixed tree; reduction_depth
 // roundings on any product's path, the bias addition included) errs by at most
 // rho (||x|| ||w|| + |bias|), rho = gamma_depth(2^-24): the rescored z lies within
 // E = bound + rescoring error of z~. Every constant comes from the host in double, rounded up.
@@ -69,12 +83,14 @@
 // the launches, use_certified) is in forward.cu.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "common.cuh"
+#include "prepared_weight.h"
 #include "row_max.cuh"
 
 namespace fused_pool_gelu {
@@ -106,23 +122,22 @@ constexpr float kGeluSlopeMaxAbove = 1.12890625f;
 
 // Constants of the bound (see above), each a float32 at or above its exact value.
 struct Bound {
-  float operand;          // 1 + g: multiplies ||x|| ||r(w)|| + ||r(x)|| (||w|| + ||r(w)||)
+  float operand;          // 1 + g: multiplies ||x|| ||r_w|| + ||r_x|| (||w|| + ||r_w||)
   float accumulation;     // g: multiplies ||x|| ||w||
   float bias;             // g_sum
-  float absolute;         // (1 + g) 2^-126 (2 K + S + 2)
-  float per_norm;         // (1 + g) 2^-126 sqrt(K): multiplies ||x|| + 2 ||w||
-  float squares_floor;    // (K + S) 2^-148, added to a sum of squares
+  float absolute;         // (1 + g) S 2^-149
+  float squares_floor;    // K 2^-148, added to a sum of squares
   float norm_slack;       // 1 + gamma' + 2^-22
   float rescore;          // rho
 };
 
-// A row's or a column's norm and the norm of its TF32 residuals.
+// A row's or a column's norm and the norm of its fp16 copy's residuals, in the original units.
 struct alignas(8) Norms {
   float value;
   float residual;
 };
 
-// One 8-byte read-only load of a Norms pair (row_norms_kernel's output).
+// One 8-byte read-only load of a Norms pair (prepare_rows_kernel's output).
 __device__ __forceinline__ Norms load_norms(const Norms* norms) {
   const float2 pair = __ldg(reinterpret_cast<const float2*>(norms));
   return Norms{pair.x, pair.y};
@@ -132,8 +147,9 @@ struct SelectParams {
   const float* partial;   // [splits, batch, n]
   int split_stride;       // batch * n
   int splits;
-  const Norms* x_norms;   // [batch]: row_norms_kernel's
-  const Norms* w_norms;   // [n]: row_norms_kernel's
+  const Norms* x_norms;   // [batch]: prepare_rows_kernel's
+  const Norms* w_norms;   // the prepared weight's: column n's at w_norms[n * w_norms_stride]
+  int64_t w_norms_stride;
   const float* bias;      // [n] or nullptr
   float scale;            // finite and non-zero (the host checks)
   int64_t batch;
@@ -147,14 +163,8 @@ struct SelectParams {
 // count (1, 2, 4 or kMaxSplits, the smallest at or above it: forward.cu's dispatch_split_bound), so
 // that their loads are all issued at once and a call with fewer splits issues few loads past its
 // last split (B = 4096 takes two splits: one kernel for up to 8 made its selection 24.2 -> 28.0
-// us). The split sums of squares are loaded like the partials (all at once): a chain of S
-// dependent loads per column made the first selection latency-bound (~60 us at B = 1024).
-template <int kSplitBound>
-__device__ __forceinline__ float norm_from_squares(const float* sumsq, int stride, int splits,
-                                                   const Bound& c) {
-  const float sum = sum_few_splits<kSplitBound>(sumsq, stride, splits) + c.squares_floor;
-  return __fmul_ru(__fsqrt_ru(sum), c.norm_slack);
-}
+// us). A chain of S dependent loads per column (the first version's split sums of squares) made
+// the selection latency-bound (~60 us at B = 1024).
 
 // z~ and its bound E for one column; false when either is not finite or the norms are too large
 // for the analysis.
@@ -168,8 +178,7 @@ __device__ __forceinline__ bool column_interval(const SelectParams& p, const flo
   const float product = __fmul_ru(x.value, w.value);
   const float operand = __fadd_ru(__fmul_ru(x.value, w.residual),
                                   __fmul_ru(x.residual, __fadd_ru(w.value, w.residual)));
-  e = __fmaf_ru(p.bound.per_norm, __fmaf_ru(2.f, w.value, x.value), p.bound.absolute);
-  e = __fmaf_ru(p.bound.bias, fabsf(b), e);
+  e = __fmaf_ru(p.bound.bias, fabsf(b), p.bound.absolute);
   e = __fmaf_ru(p.bound.accumulation, product, e);
   e = __fmaf_ru(p.bound.operand, operand, e);
   e = __fadd_ru(e, __fmul_ru(p.bound.rescore, __fadd_ru(product, fabsf(b))));
@@ -245,30 +254,168 @@ __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, 
   return v;
 }
 
-// The norms of the weight rows and of the x rows, once per call, between pass 1 and the selection:
-// every selection CTA used to sum the S split sums of squares of all n columns again (half of its
-// loads), and every one of its threads those of its x row. Thread i < n: weight row i; then the
-// x rows.
+// Roundings on any term's path to a sum that rescore_dots or prepare_rows_kernel computes: an
+// FMA chain per thread (4 per float4 piece, at most ceil(k4 / kThreads) pieces), 5 shuffle
+// additions and kWarps - 1 additions of the warps' sums, then one more (the bias; the squares'
+// floor). The bound's rho and gamma' are gamma of this depth (~K / 256, not K).
+__host__ __device__ constexpr int64_t reduction_depth(int64_t k4) {
+  return 4 * ((k4 + kThreads - 1) / kThreads) + 5 + (kWarps - 1) + 1;
+}
+
+// Block-wide sum of two values over kThreads threads in a fixed order (a shuffle tree, then the
+// warps' sums in warp order); thread 0 gets the result.
+__device__ __forceinline__ float2 block_sum(float2 v, float2* s_partial) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask /= 2) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, mask);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
+  }
+  if (lane == 0) s_partial[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    v = s_partial[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      v.x += s_partial[w].x;
+      v.y += s_partial[w].y;
+    }
+  }
+  return v;
+}
+
+// The fp16 copies' scale exponents stay within +-kMaxScaleExponent, so that a row's and a
+// column's inverse scales multiply to a normal float (forward_gemm_sm90.cuh's store_partial). Rows
+// whose largest |v| is above 2^77 then overflow fp16 (an infinite z~ or norm: the row is rescored
+// whole) and rows below 2^-49 are scaled less than they could be (more of them flushed, a larger
+// residual, more candidates): correct either way.
+constexpr int kMaxScaleExponent = kPreparedMaxScaleExponent;
+
+struct PrepareParams {
+  const float* w;         // [n, k_padded], row stride ldw
+  int64_t ldw;
+  int64_t n;
+  int64_t k4;             // k_padded / 4
+  int64_t copy_halves;    // prepared_copy_halves(k_padded), a multiple of 64
+  __half* copy;           // [n, copy_halves] (prepared_weight.h)
+  float4* trailers;       // [n]
+  float squares_floor;    // prepared_norm_constants
+  float norm_slack;
+};
+
+// One CTA per weight row: the row's scale from its largest magnitude, then its fp16 copy and the
+// trailer (inverse scale and norms; see the top and prepared_weight.h). The row is read twice; the
+// second read mostly hits L1 and L2.
+__global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PrepareParams p) {
+  allow_dependent_launch();
+  __shared__ float s_value[kWarps];
+  __shared__ int s_flag[kWarps];
+  __shared__ float2 s_partial[kWarps];
+  const int64_t row = blockIdx.x;
+  const float4* source = reinterpret_cast<const float4*>(p.w + row * p.ldw);
+  uint2* copy = reinterpret_cast<uint2*>(p.copy + row * p.copy_halves);
+
+  float largest = 0.f;  // NaN never wins fmaxf; a NaN element reaches the norms below
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
+    const float4 v = __ldg(source + i);
+    largest = fmaxf(largest, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  }
+  bool unused = false;
+  largest = block_max(largest, unused, s_value, s_flag);
+  int exponent = 0;
+  if (largest > 0.f && isfinite(largest)) {
+    exponent = min(max(14 - ilogbf(largest), -kMaxScaleExponent), kMaxScaleExponent);
+  }
+  const float scale = ldexpf(1.f, exponent);
+
+  // Squares of the scaled values in .x, of their residuals in .y.
+  float2 sums = make_float2(0.f, 0.f);
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
+    const float4 v = __ldg(source + i);
+    const float scaled[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
+    float kept[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) kept[e] = fabsf(scaled[e]) < 0x1p-14f ? 0.f : scaled[e];
+    const __half2 low = __floats2half2_rn(kept[0], kept[1]);
+    const __half2 high = __floats2half2_rn(kept[2], kept[3]);
+    const float2 low_back = __half22float2(low);
+    const float2 high_back = __half22float2(high);
+    const float residual[4] = {scaled[0] - low_back.x, scaled[1] - low_back.y,
+                               scaled[2] - high_back.x, scaled[3] - high_back.y};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sums.x = fmaf(scaled[e], scaled[e], sums.x);
+      sums.y = fmaf(residual[e], residual[e], sums.y);
+    }
+    copy[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&low),
+                         *reinterpret_cast<const uint32_t*>(&high));
+  }
+  // The copy's zero padding up to 128-byte rows.
+  for (int64_t i = p.k4 + threadIdx.x; i < p.copy_halves / 4; i += kThreads) {
+    copy[i] = make_uint2(0u, 0u);
+  }
+  sums = block_sum(sums, s_partial);
+  if (threadIdx.x == 0) {
+    const float inverse = ldexpf(1.f, -exponent);
+    auto norm = [&](float sum) {
+      const float scaled_norm =
+          __fmul_ru(__fsqrt_ru(__fadd_ru(sum, p.squares_floor)), p.norm_slack);
+      return __fmul_ru(scaled_norm, inverse);
+    };
+    float trailer[4] = {};
+    trailer[kPreparedNorm] = norm(sums.x);
+    trailer[kPreparedResidualNorm] = norm(sums.y);
+    trailer[kPreparedInverseScale] = inverse;
+    p.trailers[row] = make_float4(trailer[0], trailer[1], trailer[2], trailer[3]);
+  }
+}
+
+// The x rows' norms, once per call, between pass 1 and the selection, from pass 1's per-split
+// sums: each split's sums are in the units of that split's scale 2^e_s, so they are brought to
+// the largest of the row's scales' inverses (the smallest e) by factors 2^(2 (e_min - e_s)) <= 1
+// before they are added, all rounded up (a sum of S terms, outside gamma'); then sqrt(sum + K 2^-148) (1 + gamma' + 2^-22) 2^-e_min,
+// rounded up (see the top). One thread per row.
 template <int kSplitBound>
 __global__ void __launch_bounds__(kThreads)
-    row_norms_kernel(const float* __restrict__ w_sumsq, const float* __restrict__ w_residual_sumsq,
-                     int64_t n, const float* __restrict__ x_sumsq,
-                     const float* __restrict__ x_residual_sumsq, int64_t batch, int splits,
-                     Bound bound, Norms* __restrict__ w_norms, Norms* __restrict__ x_norms) {
+    x_norms_kernel(const float* __restrict__ x_sumsq, const float* __restrict__ x_residual_sumsq,
+                   const int* __restrict__ x_scale_exponent, int64_t batch, int splits,
+                   float squares_floor, float norm_slack, Norms* __restrict__ x_norms) {
   allow_dependent_launch();
   wait_for_previous_grid();
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i < n) {
-    const int stride = static_cast<int>(n);
-    w_norms[i] = Norms{norm_from_squares<kSplitBound>(w_sumsq + i, stride, splits, bound),
-                       norm_from_squares<kSplitBound>(w_residual_sumsq + i, stride, splits, bound)};
-  } else if (i < n + batch) {
-    const int64_t row = i - n;
-    const int stride = static_cast<int>(batch);
-    x_norms[row] =
-        Norms{norm_from_squares<kSplitBound>(x_sumsq + row, stride, splits, bound),
-              norm_from_squares<kSplitBound>(x_residual_sumsq + row, stride, splits, bound)};
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (row >= batch) return;
+  float sums[kSplitBound], residual_sums[kSplitBound];
+  int exponents[kSplitBound];
+#pragma unroll
+  for (int s = 0; s < kSplitBound; ++s) {
+    // Loads past the last split re-read it (clamped, as sum_few_splits does) and are not added.
+    const int64_t offset = (s < splits ? s : splits - 1) * batch + row;
+    sums[s] = __ldg(x_sumsq + offset);
+    residual_sums[s] = __ldg(x_residual_sumsq + offset);
+    exponents[s] = __ldg(x_scale_exponent + offset);
   }
+  int smallest = exponents[0];
+#pragma unroll
+  for (int s = 1; s < kSplitBound; ++s) smallest = min(smallest, exponents[s]);
+  float sum = 0.f, residual_sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < kSplitBound; ++s) {
+    if (s >= splits) break;
+    // 2^(e_min - e_s) >= 2^-126 is a normal float; applied twice, each product rounded up.
+    const float factor = ldexpf(1.f, smallest - exponents[s]);
+    sum = __fadd_ru(sum, __fmul_ru(__fmul_ru(sums[s], factor), factor));
+    residual_sum =
+        __fadd_ru(residual_sum, __fmul_ru(__fmul_ru(residual_sums[s], factor), factor));
+  }
+  const float inverse = ldexpf(1.f, -smallest);
+  auto norm = [&](float squares) {
+    const float scaled_norm = __fmul_ru(__fsqrt_ru(__fadd_ru(squares, squares_floor)), norm_slack);
+    return __fmul_ru(scaled_norm, inverse);
+  };
+  x_norms[row] = Norms{norm(sum), norm(residual_sum)};
 }
 
 // Columns the selection serves: its CTA keeps the row's upper ends in shared memory, 16 KB at this
@@ -281,8 +428,8 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // One CTA per row, with every load it needs in flight together: the first version (a serial chain
 // of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
 // per row with batched loads left too few warps to hide the latency (65 us). Here the CTA computes
-// each column's interval once (its S split partials loaded in batches, the norms from
-// row_norms_kernel), keeping its upper end in shared memory, and takes the block max of the
+// each column's interval once (its S split partials loaded at once, the norms from
+// prepare_rows_kernel), keeping its upper end in shared memory, and takes the block max of the
 // lower ends; the candidates are written in column order (ballots and the warps' counts), so the
 // selection is deterministic. 6 CTAs per SM: 40 registers, no spill (ptxas would take 48, 5 per
 // SM; 8 per SM needs 32 and spilled 92 bytes: 12.9 -> 16.9 us at B = 1024).
@@ -304,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
     float lo = -INFINITY, hi = INFINITY;
     whole_row |= !column_value_interval<kSplitBound>(p, row_partial, col, x_norms,
-                                                     load_norms(p.w_norms + col), lo, hi);
+                                                     load_norms(p.w_norms + col * p.w_norms_stride), lo, hi);
     best_lower = fmaxf(best_lower, lo);
     s_upper[col] = hi;
   }
@@ -352,13 +499,6 @@ struct RescoreParams {
 // Columns rescored together: one read of x feeds up to kGroup dot products, and that many weight
 // rows are in flight per thread.
 constexpr int kGroup = 4;
-
-// Roundings on any product's path to a rescored z: rescore_dots' FMA chain (4 per float4 piece,
-// at most ceil(k4 / kThreads) pieces per thread), its 5 shuffle additions and kWarps - 1 additions
-// of the warps' sums, then the bias. The bound's rho is gamma of this depth (~K / 256, not K).
-__host__ __device__ constexpr int64_t rescore_depth(int64_t k4) {
-  return 4 * ((k4 + kThreads - 1) / kThreads) + 5 + (kWarps - 1) + 1;
-}
 
 // x[row] . w[cols[g]] in float32 for the kColumns columns of a group: per thread an FMA chain over
 // every 256th group of 4 floats, then the threads' sums in a fixed tree. Every column's arithmetic

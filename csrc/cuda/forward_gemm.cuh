@@ -117,14 +117,17 @@ struct GemmParams {
   int64_t n;
   int64_t k;              // padded K (multiple of 4; the GEMV also needs < 2^31 - 2 kSimtChunkK)
   int64_t k_per_split;    // a multiple of the kernel's K step (kSimtChunkK, kTcBlockK)
-  // certified_pass1_kernel only (the others ignore them): per split, over the split's K range, the
-  // sum of squares of each x row (x_sumsq[s * rows + row], this launch's rows) and of each weight
-  // row (w_sumsq[s * n + col]), and the same sums over the rows' TF32 residuals (tf32_residual),
-  // for the error bound of the selection; null: not computed (an operand's two sums together).
+  // certified_pass1_kernel only (the others leave them null): the power of two that undoes the
+  // scaling of each weight row's fp16 copy, w_inverse_scale[n * w_inverse_scale_stride] (the
+  // prepared weight's trailers, prepared_weight.h); per split and x row (x_sumsq[s * rows + row],
+  // this launch's rows) the exponent of the row's scale in that split and the sums of squares of
+  // its scaled values and of their fp16 residuals, for the error bound of the selection
+  // (forward_certified.cuh).
+  const float* w_inverse_scale;
+  int64_t w_inverse_scale_stride;
   float* x_sumsq;
   float* x_residual_sumsq;
-  float* w_sumsq;
-  float* w_residual_sumsq;
+  int* x_scale_exponent;
 };
 
 // ------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 // out near 190 TFLOP/s, about half of what wgmma reaches, and 3xTF32 needs three MMAs per product.
 //
 // The second kernel here, certified_pass1_kernel (at the end), is the certified path's single-pass
-// TF32 GEMM: wider tiles, TMA loads, both operands from shared memory (its own comment says why).
+// GEMM on fp16 copies of the operands: wider tiles, TMA loads, both operands from shared memory
+// (its own comment says why).
 //
 // Only sm_90a has wgmma: the kernel bodies are compiled for that target alone (elsewhere they
 // trap), and the host (forward.cu) launches them only on compute capability 9.0 devices of a build
@@ -51,6 +52,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/forward_certified.cuh"
 #include "cuda/forward_gemm.cuh"
 
 namespace fused_pool_gelu {
@@ -226,55 +228,37 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[kWgAccum], const
         "l"(b_descriptor));
 }
 
-// d += a * b on 64 x 256 x 8, both operands through shared-memory descriptors (K-major, 128-byte
-// swizzle): a [64 rows][8], b [256 rows][8]. 128 accumulator floats per thread, value 4 j + e at
-// row g (+8 for e >= 2) and column 8 j + 2 t + (e % 2) of the warp's 16 rows, as m64n128's.
-#define FPG_ACC8(i)                                                                          \
-  "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]),      \
-      "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
-#define FPG_ACC32(i) FPG_ACC8(i), FPG_ACC8((i) + 8), FPG_ACC8((i) + 16), FPG_ACC8((i) + 24)
-__device__ __forceinline__ void wgmma_m64n256k8_tf32_ss(float (&d)[128], uint64_t a_descriptor,
-                                                        uint64_t b_descriptor) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, "
-      "%120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1;\n}\n"
-      : FPG_ACC32(0), FPG_ACC32(32), FPG_ACC32(64), FPG_ACC32(96)
-      : "l"(a_descriptor), "l"(b_descriptor), "r"(1));
-}
-#undef FPG_ACC32
-#undef FPG_ACC8
-
 // Stores one consumer warp's share of an m64nN wgmma accumulator as split `split`'s partial sums:
 // value 4 j + e of this thread is row g (+8 for e >= 2) of the warp's 16 rows starting at `row0`,
 // column n0 + 8 j + 2 t (+1 for odd e), g = lane / 4, t = lane % 4; rows and columns past the
-// launch's clipped.
+// launch's clipped. With p.w_inverse_scale set (certified pass 1), each value is first multiplied
+// by its row's and its column's inverse scales (powers of two whose product is a normal float:
+// exact unless the result is subnormal).
 template <int kAccum>
 __device__ __forceinline__ void store_partial(const GemmParams& p, const float (&acc)[kAccum],
-                                              int split, int64_t row0, int64_t n0, int lane) {
+                                              int split, int64_t row0, int64_t n0, int lane,
+                                              const float (&row_inverse_scale)[2] = {1.f, 1.f}) {
   const int g = lane >> 2;
   const int t = lane & 3;
   float* out = p.partial + split * p.split_stride;
   const bool vec2 = (p.n % 2) == 0;  // then col even and col < N => col + 1 < N
+  const bool unscale = p.w_inverse_scale != nullptr;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t m = row0 + g + 8 * h;
     if (m >= p.rows) continue;
     float* out_row = out + m * p.n;
+    const float row_scale = row_inverse_scale[h];
 #pragma unroll
     for (int j = 0; j < kAccum / 4; ++j) {
       const int64_t col = n0 + 8 * j + 2 * t;
-      const float v0 = acc[4 * j + 2 * h];
-      const float v1 = acc[4 * j + 2 * h + 1];
+      float v0 = acc[4 * j + 2 * h];
+      float v1 = acc[4 * j + 2 * h + 1];
+      if (unscale) {
+        const float* column_scale = p.w_inverse_scale + col * p.w_inverse_scale_stride;
+        if (col < p.n) v0 *= row_scale * column_scale[0];
+        if (col + 1 < p.n) v1 *= row_scale * column_scale[p.w_inverse_scale_stride];
+      }
       if (vec2) {
         if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
       } else {
@@ -453,61 +437,102 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
 }
 
 
-// The certified pass 1's tensor maps, fp32 with the 128-byte swizzle: x (box 32 K x 128 rows) and
-// the weight (box 32 K x 256 rows), over the same operands as GemmParams' x and w.
+// The certified pass 1's tensor maps, both with the 128-byte swizzle: x in float32 (box 32 K x 128
+// rows: two per stage) and the weight's fp16 copy (certified::prepare_rows_kernel; box 64 K x 256
+// rows).
 struct TmaMaps {
   CUtensorMap x;
   CUtensorMap w;
 };
 // ------------------------------------------------------------------------------------------------
-// The certified first pass: single-pass TF32, partial[s, b, n] = the tensor core's sum of
-// tf32(x[b, i]) tf32(w[n, i]) over split s, plus the split sums of squares of the rows and of
-// their TF32 residuals (the selection's error bound; forward_certified.cuh). Built for L2
-// traffic: the 128 x 128 tiles of the 3xTF32 kernel read 32 KB from L2 per 0.5 M multiply-adds,
-// and at B = 1024 pass 1 on them moved 268 MB at ~5.3 TB/s (Nsight Compute) for 48 us, against
-// ~18 us of TF32 MMA: bound by L2, whose read bandwidth from all SMs measured ~6.4-7.6 TB/s with a
-// plain streaming kernel. A 128 x 256 tile reads 48 KB per 1 M multiply-adds (0.75x the bytes;
-// 201 MB at B = 1024).
+// The certified first pass: partial[s, b, n] = the tensor core's sum of h_x[b, i] h_w[n, i] over
+// split s, times 2^-(e_x[s, b] + e_w[n]): h_w the weight's fp16 copy scaled by 2^e_w per row, h_x
+// x's fp16 copy made here, in registers, scaled by 2^e_x per row and split (forward_certified.cuh
+// says why fp16, and how the scales are chosen). Built for L2 traffic: on float32 operands
+// (single-pass TF32, 128 x 256 tiles) this pass read 48 KB from L2 per 1 M multiply-adds, 201 MB
+// at B = 1024, and was bound by it (38 us, 27 of them the loads alone). With the weight in fp16 it
+// reads 32 KB per 1 M (134 MB), and the tensor core's fp16 rate is twice TF32's. x is converted
+// here and not by a kernel before: that kernel's read of x from DRAM (32 MB at B = 1024) could
+// not overlap anything (a version with both copies made ahead: pass 1 26.7 us, the copies 27.2).
 //
-// CTA tile 128 (x rows) x 256 (weight rows) x 32 (K), 384 threads:
-//   warp 0, lane 0: the TMA producer (one 16 KB x box and one 32 KB weight box per stage, both
-//     128-byte swizzled, completing on the stage's full barrier);
-//   warps 1-3: the sums of squares, in the CTAs that owe them (see the code), read from the landed
-//     stage: the consumers stay free for the MMAs;
-//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all 256 weight rows, one
-//     m64n256k8 wgmma per K step of 8 with both operands read from shared memory.
+// CTA tile 128 (x rows) x 256 (weight rows) x 64 (K), 384 threads:
+//   warp 0, lane 0: the TMA producer (two 16 KB float32 x boxes and one 32 KB fp16 weight box per
+//     stage, all 128-byte swizzled, completing on the stage's full barrier); warps 1-3 idle;
+//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all 256 weight rows. Per K step
+//     of 16 each thread loads its A fragment (rows g and g + 8 of its warp's 16, columns 2 t, 2 t
+//     + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout) from the float32 stage, converts it to fp16
+//     (4 registers), and issues one m64n256k16 wgmma with A from registers and the weight from
+//     shared memory (K-major: a 128-byte row is 64 halves, K step kk starts 32 kk bytes into it).
+//     The consumers whose rows' norms this CTA owes also sum the squares of the
+//     scaled x values and of their fp16 residuals.
 // The tensor core accumulates the whole split (no float32 flush: 128 accumulator floats per
 // thread leave no room for a second set); the bound models that chain (certified_bound).
 // ------------------------------------------------------------------------------------------------
 constexpr int kPass1BlockM = 128;
 constexpr int kPass1BlockN = 256;
-constexpr int kPass1BlockK = 32;  // 128 bytes: one swizzle row
-constexpr int kPass1Stages = 4;
+constexpr int kPass1BlockK = 64;  // fp16 weight row: 128 bytes, one swizzle row
+constexpr int kPass1XBoxK = 32;   // float32 x row: 128 bytes, one swizzle row
+constexpr int kPass1MmaK = 16;
+constexpr int kPass1Stages = 3;
 constexpr int kPass1Accum = kPass1BlockN / 2;                      // floats per consumer thread
-constexpr int kPass1XTileBytes = kPass1BlockM * kPass1BlockK * 4;  // 16 KB
-constexpr int kPass1WTileBytes = kPass1BlockN * kPass1BlockK * 4;  // 32 KB
+constexpr int kPass1XBoxBytes = kPass1BlockM * kPass1XBoxK * 4;    // 16 KB
+constexpr int kPass1XTileBytes = 2 * kPass1XBoxBytes;              // 32 KB
+constexpr int kPass1WTileBytes = kPass1BlockN * kPass1BlockK * 2;  // 32 KB
 constexpr int kPass1StageBytes = kPass1XTileBytes + kPass1WTileBytes;
 constexpr int kPass1BarrierOffset = kPass1Stages * kPass1StageBytes;
 constexpr int kPass1SmemBytes = kPass1BarrierOffset + 2 * kPass1Stages * 8 + kWgSwizzleAlign;
-constexpr int kPass1NormThreads = 96;  // warps 1-3
-constexpr int kPass1NormSlots =
-    (kPass1BlockM + kPass1BlockN + kPass1NormThreads - 1) / kPass1NormThreads;
+// x's scale per row and split: the first tile's largest |x| goes to [2^10, 2^11), leaving a factor
+// 32 below fp16's largest finite value (65504) for the split's later tiles; a larger value
+// overflows to infinity and the row is rescored whole (forward_certified.cuh).
+constexpr int kPass1XScaleTarget = 10;
 // 128 x 56 + 256 x 224 = 64512 <= 384 x 168 (see kWgProducerRegisters): the consumers hold 128
-// accumulator floats, the producer warpgroup up to 16 partial sums and a row's loads.
+// accumulator floats and 16 A registers.
 constexpr int kPass1ProducerRegisters = 56;
 constexpr int kPass1ConsumerRegisters = 224;
 static_assert(kPass1SmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
-static_assert(kPass1StageBytes % kWgSwizzleAlign == 0 && kPass1XTileBytes % kWgSwizzleAlign == 0,
+static_assert(kPass1StageBytes % kWgSwizzleAlign == 0 && kPass1XBoxBytes % kWgSwizzleAlign == 0,
               "swizzled tiles stay 1024-byte aligned");
+static_assert(kPass1BlockK * 2 == 128 && kPass1XBoxK * 4 == 128, "one 128-byte swizzle row per tile row");
 static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= kWgThreads * 168,
               "setmaxnreg within the launch's registers");
 
-// v - trunc19(v), trunc19 clearing the 13 low significand bits: exact in float32 (same sign and
-// exponent, or both subnormal), and at least |v - tf32(v)| whether the tensor core truncates or
-// rounds to nearest (forward_certified.cuh, the bound's step 1).
-__device__ __forceinline__ float tf32_residual(float v) {
-  return v - __uint_as_float(__float_as_uint(v) & 0xffffe000u);
+#if FPG_WGMMA_DEVICE_CODE
+// d += a * b on 64 x 256 x 16: a fp16 from registers (the m16n8k16 A fragment of each warp's 16
+// rows), b fp16 through a shared-memory descriptor (K-major, 128-byte swizzle, no transpose): 128
+// float32 accumulators per thread, value 4 j + e at row g (+8 for e >= 2) and column 8 j + 2 t +
+// (e % 2) of the warp's 16 rows, as m64n128's.
+#define FPG_ACC8(i)                                                                          \
+  "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]),      \
+      "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define FPG_ACC32(i) FPG_ACC8(i), FPG_ACC8((i) + 8), FPG_ACC8((i) + 16), FPG_ACC8((i) + 24)
+__device__ __forceinline__ void wgmma_m64n256k16_f16_rs(float (&d)[128], const uint32_t* a,
+                                                        uint64_t b_descriptor) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, "
+      "%120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : FPG_ACC32(0), FPG_ACC32(32), FPG_ACC32(64), FPG_ACC32(96)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(1));
 }
+#undef FPG_ACC32
+#undef FPG_ACC8
+
+// fp16(v), rounded to nearest, or 0 where |v| < 2^-14 (forward_certified.cuh: the tensor core never
+// sees a subnormal), packed two to a register.
+__device__ __forceinline__ uint32_t fp16_pair(float a, float b) {
+  const __half2 h = __floats2half2_rn(fabsf(a) < 0x1p-14f ? 0.f : a, fabsf(b) < 0x1p-14f ? 0.f : b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+#endif  // FPG_WGMMA_DEVICE_CODE
 
 __global__ void __launch_bounds__(kWgThreads, 1)
     certified_pass1_kernel(const GemmParams p, const __grid_constant__ TmaMaps maps) {
@@ -530,109 +555,37 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int64_t k_end = k_begin + p.k_per_split < p.k ? k_begin + p.k_per_split : p.k;
   const int num_k_tiles =
       k_end > k_begin ? static_cast<int>((k_end - k_begin + kPass1BlockK - 1) / kPass1BlockK) : 0;
-  const bool sum_any = p.x_sumsq != nullptr || p.w_sumsq != nullptr;
 
   // Full: the producer's expect_tx arrival plus the TMA bytes. Empty: one arrival per consumer
-  // warp (after its wgmmas on the stage completed) and per sum-of-squares warp (after its reads).
+  // warp, after its wgmmas on the stage completed.
   if (tid == 0) {
     for (int s = 0; s < kPass1Stages; ++s) {
       mbarrier_init(full_barrier + 8 * s, 1);
-      mbarrier_init(empty_barrier + 8 * s,
-                    kWgConsumerWarps + (sum_any ? kPass1NormThreads / 32 : 0));
+      mbarrier_init(empty_barrier + 8 * s, kWgConsumerWarps);
     }
     fence_mbarrier_init();
   }
   __syncthreads();
+  // The weight's fp16 copy is the previous kernel's output (this one is its programmatic dependent).
+  wait_for_previous_grid();
 
   if (warp < kWgProducerThreads / 32) {
     set_max_registers<false, kPass1ProducerRegisters>();
-    if (warp == 0) {
-      if (lane == 0) {
-        for (int kt = 0; kt < num_k_tiles; ++kt) {
-          const int stage = kt % kPass1Stages;
-          if (kt >= kPass1Stages) {
-            mbarrier_wait(empty_barrier + 8 * stage, ((kt / kPass1Stages) - 1) & 1);
-          }
-          const uint32_t full = full_barrier + 8 * stage;
-          const uint32_t x_tile = smem_base + stage * kPass1StageBytes;
-          mbarrier_arrive_expect_tx(full, kPass1StageBytes);
-          // Boxes past the tensor's rows or K are zero-filled and still count their full bytes.
-          const int32_t k = static_cast<int32_t>(k_begin) + kt * kPass1BlockK;
-          tma_load(x_tile, &maps.x, k, static_cast<int32_t>(m0), full);
-          tma_load(x_tile + kPass1XTileBytes, &maps.w, k, static_cast<int32_t>(n0), full);
+    if (warp == 0 && lane == 0) {
+      for (int kt = 0; kt < num_k_tiles; ++kt) {
+        const int stage = kt % kPass1Stages;
+        if (kt >= kPass1Stages) {
+          mbarrier_wait(empty_barrier + 8 * stage, ((kt / kPass1Stages) - 1) & 1);
         }
-      }
-      return;
-    }
-    if (!sum_any) return;
-    // Each x row's sum belongs to one CTA of its m tile (the n tiles share the tile's rows out),
-    // each weight row's to one CTA of its n tile (shared out among the m tiles): every CTA sums
-    // ~1 / n_tiles of its x tile and ~1 / m_tiles of its weight tile, and no sum needs adding
-    // across CTAs. (Summing whole tiles in the CTAs of n tile 0 and m tile 0, with one serial FMA
-    // chain per row, cost 17 us of pass 1's 51 at B = 1024.) Thread j takes rows j, j + 96, ...
-    // of that list; a 128-byte row holds its 32 floats in swizzled chunk order, which a sum over
-    // the whole row ignores. Per row two FMA chains of squares and two of squared residuals (the
-    // producer warpgroup's 56 registers hold 16 partial sums).
-    const int j = tid - 32;
-    const int x_share = (kPass1BlockM + gridDim.x - 1) / gridDim.x;
-    const int w_share = (kPass1BlockN + gridDim.y - 1) / gridDim.y;
-    const int x_first = min(static_cast<int>(blockIdx.x) * x_share, kPass1BlockM);
-    const int w_first = min(static_cast<int>(blockIdx.y) * w_share, kPass1BlockN);
-    const int x_rows = p.x_sumsq != nullptr ? min(x_first + x_share, kPass1BlockM) - x_first : 0;
-    const int w_rows = p.w_sumsq != nullptr ? min(w_first + w_share, kPass1BlockN) - w_first : 0;
-    int row_offset[kPass1NormSlots];  // bytes into a stage, or -1
-    float sums[kPass1NormSlots][4];  // squares in [0] and [1], squared residuals in [2] and [3]
-#pragma unroll
-    for (int i = 0; i < kPass1NormSlots; ++i) {
-      const int slot = j + kPass1NormThreads * i;
-      row_offset[i] = slot < x_rows            ? (x_first + slot) * 128
-                      : slot < x_rows + w_rows ? kPass1XTileBytes + (w_first + slot - x_rows) * 128
-                                               : -1;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sums[i][e] = 0.f;
-    }
-    for (int kt = 0; kt < num_k_tiles; ++kt) {
-      const int stage = kt % kPass1Stages;
-      mbarrier_wait(full_barrier + 8 * stage, (kt / kPass1Stages) & 1);
-      const unsigned char* stage_bytes = smem + stage * kPass1StageBytes;
-#pragma unroll
-      for (int i = 0; i < kPass1NormSlots; ++i) {
-        if (row_offset[i] < 0) continue;
-#pragma unroll
-        for (int c = 0; c < kPass1BlockK / 4; ++c) {
-          const float4 v = *reinterpret_cast<const float4*>(stage_bytes + row_offset[i] + 16 * c);
-          const float4 r = make_float4(tf32_residual(v.x), tf32_residual(v.y),
-                                       tf32_residual(v.z), tf32_residual(v.w));
-          sums[i][0] = fmaf(v.x, v.x, sums[i][0]);
-          sums[i][1] = fmaf(v.y, v.y, sums[i][1]);
-          sums[i][2] = fmaf(r.x, r.x, sums[i][2]);
-          sums[i][3] = fmaf(r.y, r.y, sums[i][3]);
-          sums[i][0] = fmaf(v.z, v.z, sums[i][0]);
-          sums[i][1] = fmaf(v.w, v.w, sums[i][1]);
-          sums[i][2] = fmaf(r.z, r.z, sums[i][2]);
-          sums[i][3] = fmaf(r.w, r.w, sums[i][3]);
-        }
-      }
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(empty_barrier + 8 * stage);
-    }
-#pragma unroll
-    for (int i = 0; i < kPass1NormSlots; ++i) {
-      const int slot = j + kPass1NormThreads * i;
-      const float squares = sums[i][0] + sums[i][1];
-      const float residual_squares = sums[i][2] + sums[i][3];
-      if (slot < x_rows) {
-        const int64_t m = m0 + x_first + slot;
-        if (m < p.rows) {
-          p.x_sumsq[split * p.rows + m] = squares;
-          p.x_residual_sumsq[split * p.rows + m] = residual_squares;
-        }
-      } else if (slot < x_rows + w_rows) {
-        const int64_t col = n0 + w_first + slot - x_rows;
-        if (col < p.n) {
-          p.w_sumsq[split * p.n + col] = squares;
-          p.w_residual_sumsq[split * p.n + col] = residual_squares;
-        }
+        const uint32_t full = full_barrier + 8 * stage;
+        const uint32_t x_tile = smem_base + stage * kPass1StageBytes;
+        mbarrier_arrive_expect_tx(full, kPass1StageBytes);
+        // Boxes past the tensor's rows or K are zero-filled and still count their full bytes.
+        const int32_t k = static_cast<int32_t>(k_begin) + kt * kPass1BlockK;
+        tma_load(x_tile, &maps.x, k, static_cast<int32_t>(m0), full);
+        tma_load(x_tile + kPass1XBoxBytes, &maps.x, k + kPass1XBoxK, static_cast<int32_t>(m0),
+                 full);
+        tma_load(x_tile + kPass1XTileBytes, &maps.w, k, static_cast<int32_t>(n0), full);
       }
     }
     return;
@@ -640,32 +593,133 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   // Consumers.
   set_max_registers<true, kPass1ConsumerRegisters>();
-  const int consumer = warp / 4 - 1;  // x rows [64 c, 64 c + 64): 8 KB into the x tile
+  const int consumer = warp / 4 - 1;  // x rows [64 c, 64 c + 64)
   const int warp_in_group = warp % 4;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  // This thread's two x rows within the tile; both are g mod 8, which the swizzle XORs in.
+  const int tile_row = consumer * 64 + warp_in_group * 16 + g;
+  // Each x row's norm sums belong to one CTA of its m tile: consumer c of n tile c mod n_tiles.
+  const bool sums_rows = static_cast<int>(blockIdx.x) == consumer % static_cast<int>(gridDim.x) &&
+                         p.x_sumsq != nullptr;
+
+  // Byte offset, within a stage, of this thread's float2 at row tile_row + 8 h, K column 16 kk +
+  // 2 t + 8 q of the tile (box kk / 2, 16-byte chunk 4 (kk % 2) + t / 2 + 2 q, swizzled by g).
+  auto x_offset = [&](int kk, int h, int q) {
+    const int chunk = 4 * (kk % 2) + t / 2 + 2 * q;
+    return (kk / 2) * kPass1XBoxBytes + (tile_row + 8 * h) * 128 + ((chunk ^ g) << 4) + 8 * (t % 2);
+  };
+  auto load_fragment = [&](int stage, int kk, float2 (&v)[2][2]) {
+    const unsigned char* stage_bytes = smem + stage * kPass1StageBytes;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        v[h][q] = *reinterpret_cast<const float2*>(stage_bytes + x_offset(kk, h, q));
+      }
+    }
+  };
+
+  // x's scale for each of the two rows: 2^scale_exponent, from the split's first tile.
+  float row_scale[2] = {1.f, 1.f};
+  float row_inverse_scale[2] = {1.f, 1.f};
+  int scale_exponent[2] = {0, 0};
+  float squares[2] = {0.f, 0.f};
+  float residual_squares[2] = {0.f, 0.f};
+
+  // Converts tile kt's A fragments (4 K steps x 4 registers) and issues its wgmmas.
   float acc[kPass1Accum];
 #pragma unroll
   for (int i = 0; i < kPass1Accum; ++i) acc[i] = 0.f;
-  for (int kt = 0; kt < num_k_tiles; ++kt) {
+  auto process_tile = [&](int kt, uint32_t (&a)[kPass1BlockK / kPass1MmaK][4]) {
     const int stage = kt % kPass1Stages;
     mbarrier_wait(full_barrier + 8 * stage, (kt / kPass1Stages) & 1);
-    const uint32_t x_rows = smem_base + stage * kPass1StageBytes + consumer * 64 * 128;
+    if (kt == 0) {
+      float largest[2] = {0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < kPass1BlockK / kPass1MmaK; ++kk) {
+        float2 v[2][2];
+        load_fragment(stage, kk, v);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          largest[h] = fmaxf(largest[h], fmaxf(fmaxf(fabsf(v[h][0].x), fabsf(v[h][0].y)),
+                                               fmaxf(fabsf(v[h][1].x), fabsf(v[h][1].y))));
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // The row's 64 values of the tile are spread over the 4 lanes of its quad.
+        largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 1));
+        largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 2));
+        int e = 0;
+        if (largest[h] > 0.f && isfinite(largest[h])) {
+          e = min(max(kPass1XScaleTarget - ilogbf(largest[h]), -certified::kMaxScaleExponent),
+                  certified::kMaxScaleExponent);
+        }
+        scale_exponent[h] = e;
+        row_scale[h] = ldexpf(1.f, e);
+        row_inverse_scale[h] = ldexpf(1.f, -e);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kPass1BlockK / kPass1MmaK; ++kk) {
+      float2 v[2][2];
+      load_fragment(stage, kk, v);
+      // a[0]: row g, columns 2t, 2t+1; a[1]: row g+8; a[2], a[3]: the same rows, columns + 8.
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float s0 = v[h][q].x * row_scale[h];
+          const float s1 = v[h][q].y * row_scale[h];
+          const uint32_t pair = fp16_pair(s0, s1);
+          a[kk][2 * q + h] = pair;
+          if (sums_rows) {
+            const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&pair));
+            const float r0 = s0 - back.x;
+            const float r1 = s1 - back.y;
+            squares[h] = fmaf(s0, s0, fmaf(s1, s1, squares[h]));
+            residual_squares[h] = fmaf(r0, r0, fmaf(r1, r1, residual_squares[h]));
+          }
+        }
+      }
+    }
     const uint32_t w_tile = smem_base + stage * kPass1StageBytes + kPass1XTileBytes;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kPass1BlockK / kWgMmaK; ++kk) {
-      wgmma_m64n256k8_tf32_ss(acc, swizzled_tile_descriptor(x_rows + 32 * kk),
-                              swizzled_tile_descriptor(w_tile + 32 * kk));
+    for (int kk = 0; kk < kPass1BlockK / kPass1MmaK; ++kk) {
+      wgmma_m64n256k16_f16_rs(acc, a[kk], swizzled_tile_descriptor(w_tile + 32 * kk));
     }
     wgmma_commit();
-    // Tile kt - 1's wgmmas are done (this tile's may still run): its stage can be refilled.
-    wgmma_wait_one();
-    if (kt > 0) {
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(empty_barrier + 8 * ((kt - 1) % kPass1Stages));
+    // All of the tile's wgmmas, before the next tile's conversion writes their A registers: with
+    // one group left in flight instead (the next tile converted into a second register set while
+    // this one runs), ptxas serializes every wgmma of the kernel (C7513). The other consumer
+    // warpgroup keeps the tensor core busy meanwhile.
+    wgmma_wait_all();
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(empty_barrier + 8 * stage);
+  };
+  uint32_t a[kPass1BlockK / kPass1MmaK][4];
+  for (int kt = 0; kt < num_k_tiles; ++kt) process_tile(kt, a);
+
+  const int64_t row0 = m0 + tile_row;
+  store_partial(p, acc, split, row0 - g, n0, lane, row_inverse_scale);
+  if (sums_rows) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // The quad's 4 lanes hold the row's columns: their sums in a fixed order.
+      squares[h] += __shfl_xor_sync(0xffffffffu, squares[h], 1);
+      squares[h] += __shfl_xor_sync(0xffffffffu, squares[h], 2);
+      residual_squares[h] += __shfl_xor_sync(0xffffffffu, residual_squares[h], 1);
+      residual_squares[h] += __shfl_xor_sync(0xffffffffu, residual_squares[h], 2);
+      const int64_t m = row0 + 8 * h;
+      if (t == 0 && m < p.rows) {
+        p.x_sumsq[split * p.rows + m] = squares[h];
+        p.x_residual_sumsq[split * p.rows + m] = residual_squares[h];
+        p.x_scale_exponent[split * p.rows + m] = scale_exponent[h];
+      }
     }
   }
-  wgmma_wait_all();
-  store_partial(p, acc, split, m0 + consumer * 64 + warp_in_group * 16, n0, lane);
 #else
   __trap();
 #endif  // FPG_WGMMA_DEVICE_CODE

@@ -1,0 +1,67 @@
+// The prepared weight: prepare_weight's output and an optional argument of forward and
+// forward_with_argmax (schemas in registration.cpp).
+//
+// What the certified forward (cuda/forward_certified.cuh) reads of the pooled weight besides its
+// float32 rows: an fp16 copy of every row scaled by a power of two, its inverse scale and upper
+// bounds on two norms. Made per call otherwise (a DRAM read of the whole weight, ~10 us at the
+// default shape on an H200), it can be made once when the weight is folded: ModelNew keeps one
+// next to its cached fold. Layout, a 1-D uint8 tensor of prepared_bytes(N, K) bytes:
+//   the copy, N rows of C = prepared_copy_halves(K) fp16 values: fp16(weight[n, i] 2^e_n) rounded
+//     to nearest for i < K, 0 where that magnitude is below 2^-14 (fp16's smallest normal), then
+//     zeros up to C (128-byte rows: pass 1's TMA boxes then start on 128-byte lines; rows 16
+//     bytes longer, with their trailer inside, made pass 1 12% slower at K = 8192 on an H200);
+//     e_n puts the row's largest magnitude in [2^14, 2^15) (|e_n| <= 63);
+//   then N trailers of 4 float32: an upper bound on ||weight[n]||_2, one on the norm of the copy's
+//     residual ||weight[n] - copy[n] 2^-e_n||_2, 2^-e_n, and 0.
+// Bytes, not float16: the trailers' float32 bits are no fp16 values (some would read as NaN).
+// The CPU forward does not use it (it is validated and ignored there), nor do the CUDA paths other
+// than the certified one; every device makes the same layout.
+//
+// A prepared weight is tied to the tensor it was made from: forward checks that `weight` is a view
+// of the same storage with the same offset, sizes and strides, and that the storage's version
+// counter has not moved since (an in-place change, an optimizer step, load_state_dict), and raises
+// otherwise. What it cannot see: writes that bypass the version counter (through `.data`, or
+// another tensor over the same memory), and where a copy of a prepared weight came from (a
+// clone, a loaded one, the input copies of torch.compile's CUDA graphs and of opcheck): those are
+// trusted to match `weight`. Make a new prepared weight after any such write.
+#pragma once
+
+#include <cstdint>
+
+namespace at {
+class Tensor;
+}  // namespace at
+
+namespace fused_pool_gelu {
+
+constexpr int64_t kPreparedTrailerBytes = 16;  // 4 float32
+
+// Halves of a row's copy: K rounded up to a multiple of 64 (128-byte rows).
+constexpr int64_t prepared_copy_halves(int64_t in_features) { return (in_features + 63) / 64 * 64; }
+
+// Bytes before the trailers, and in all.
+constexpr int64_t prepared_copy_bytes(int64_t rows, int64_t in_features) {
+  return rows * 2 * prepared_copy_halves(in_features);
+}
+constexpr int64_t prepared_bytes(int64_t rows, int64_t in_features) {
+  return prepared_copy_bytes(rows, in_features) + rows * kPreparedTrailerBytes;
+}
+
+// The scale exponents stay within +-63, so that a weight row's and an x row's inverse scales
+// multiply to a normal float (forward_certified.cuh); rows whose largest magnitude is above 2^77
+// then overflow fp16 (an infinite norm: the forward rescores every column of every row).
+constexpr int kPreparedMaxScaleExponent = 63;
+
+// The trailer's float32 slots.
+constexpr int kPreparedNorm = 0;
+constexpr int kPreparedResidualNorm = 1;
+constexpr int kPreparedInverseScale = 2;
+
+// Remembers that `prepared` was made from `weight` as it is now (prepare_weight's kernels call it).
+void record_prepared_weight(const at::Tensor& prepared, const at::Tensor& weight);
+
+// Raises, naming `op`, unless `prepared` is a prepare_weight output made from `weight` as it is
+// now (device, dtype, shape, the same memory and no in-place change since).
+void check_prepared_weight(const char* op, const at::Tensor& prepared, const at::Tensor& weight);
+
+}  // namespace fused_pool_gelu
