@@ -710,8 +710,12 @@ void launch_prepare(const Operand& w, int64_t n, int64_t k_padded, uint8_t* prep
   params.copy = reinterpret_cast<__half*>(prepared);
   params.trailers = reinterpret_cast<float4*>(prepared + prepared_copy_bytes(n, k_padded));
   prepared_norm_constants(k_padded, params.squares_floor, params.norm_slack);
-  certified::prepare_rows_kernel<<<static_cast<unsigned>(n), certified::kThreads, 0, stream>>>(
-      params);
+  const dim3 grid(static_cast<unsigned>(n));
+  if (params.k4 <= int64_t{certified::kThreads} * certified::kPrepareCachedPieces) {
+    certified::prepare_rows_kernel<true><<<grid, certified::kThreads, 0, stream>>>(params);
+  } else {
+    certified::prepare_rows_kernel<false><<<grid, certified::kThreads, 0, stream>>>(params);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

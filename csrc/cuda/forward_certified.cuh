@@ -304,9 +304,15 @@ struct PrepareParams {
   float norm_slack;
 };
 
+// Pieces of 4 floats a prepare_rows_kernel thread keeps in registers: rows of up to kThreads x
+// this many pieces (K <= 8192) are read once; longer ones twice (the second read mostly from L1
+// and L2).
+constexpr int kPrepareCachedPieces = 8;
+
 // One CTA per weight row: the row's scale from its largest magnitude, then its fp16 copy and the
-// trailer (inverse scale and norms; see the top and prepared_weight.h). The row is read twice; the
-// second read mostly hits L1 and L2.
+// trailer (inverse scale and norms; see the top and prepared_weight.h). kCached: the row fits in
+// the threads' registers (k4 <= kThreads x kPrepareCachedPieces), read once.
+template <bool kCached>
 __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PrepareParams p) {
   allow_dependent_launch();
   __shared__ float s_value[kWarps];
@@ -316,11 +322,21 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
   const float4* source = reinterpret_cast<const float4*>(p.w + row * p.ldw);
   uint2* copy = reinterpret_cast<uint2*>(p.copy + row * p.copy_halves);
 
+  float4 cached[kCached ? kPrepareCachedPieces : 1];
   float largest = 0.f;  // NaN never wins fmaxf; a NaN element reaches the norms below
-#pragma unroll 4
-  for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
-    const float4 v = __ldg(source + i);
+  auto take = [&](const float4& v) {
     largest = fmaxf(largest, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  };
+  if constexpr (kCached) {
+#pragma unroll
+    for (int j = 0; j < kPrepareCachedPieces; ++j) {
+      const int64_t i = threadIdx.x + j * kThreads;
+      cached[j] = i < p.k4 ? __ldg(source + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+      take(cached[j]);
+    }
+  } else {
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) take(__ldg(source + i));
   }
   bool unused = false;
   largest = block_max(largest, unused, s_value, s_flag);
@@ -332,9 +348,7 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
 
   // Squares of the scaled values in .x, of their residuals in .y.
   float2 sums = make_float2(0.f, 0.f);
-#pragma unroll 4
-  for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
-    const float4 v = __ldg(source + i);
+  auto convert = [&](int64_t i, const float4& v) {
     const float scaled[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
     float kept[4];
 #pragma unroll
@@ -352,6 +366,17 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
     }
     copy[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&low),
                          *reinterpret_cast<const uint32_t*>(&high));
+  };
+  // The same pieces in the same order either way: the same sums.
+  if constexpr (kCached) {
+#pragma unroll
+    for (int j = 0; j < kPrepareCachedPieces; ++j) {
+      const int64_t i = threadIdx.x + j * kThreads;
+      if (i < p.k4) convert(i, cached[j]);
+    }
+  } else {
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) convert(i, __ldg(source + i));
   }
   // The copy's zero padding up to 128-byte rows.
   for (int64_t i = p.k4 + threadIdx.x; i < p.copy_halves / 4; i += kThreads) {
