@@ -192,6 +192,21 @@ __device__ __forceinline__ void tma_load(uint32_t destination, const CUtensorMap
       "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(barrier)
       : "memory");
 }
+// tma_load with an L2 eviction priority (a createpolicy value, l2_evict_last_policy).
+__device__ __forceinline__ void tma_load(uint32_t destination, const CUtensorMap* map, int32_t k,
+                                         int32_t row, uint32_t barrier, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(destination),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(barrier), "l"(policy)
+      : "memory");
+}
+// An L2 policy that evicts the lines it loads after the others (createpolicy).
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 // Moves this warpgroup's per-thread register allocation to kCount (all its warps must execute it).
 template <bool kIncrease, int kCount>
 __device__ __forceinline__ void set_max_registers() {
@@ -572,6 +587,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   if (warp < kWgProducerThreads / 32) {
     set_max_registers<false, kPass1ProducerRegisters>();
     if (warp == 0 && lane == 0) {
+      // x's lines stay in L2 after the weight copy's and the partials': the rescoring reads x's
+      // rows again.
+      const uint64_t x_policy = l2_evict_last_policy();
       for (int kt = 0; kt < num_k_tiles; ++kt) {
         const int stage = kt % kPass1Stages;
         if (kt >= kPass1Stages) {
@@ -582,9 +600,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         mbarrier_arrive_expect_tx(full, kPass1StageBytes);
         // Boxes past the tensor's rows or K are zero-filled and still count their full bytes.
         const int32_t k = static_cast<int32_t>(k_begin) + kt * kPass1BlockK;
-        tma_load(x_tile, &maps.x, k, static_cast<int32_t>(m0), full);
+        tma_load(x_tile, &maps.x, k, static_cast<int32_t>(m0), full, x_policy);
         tma_load(x_tile + kPass1XBoxBytes, &maps.x, k + kPass1XBoxK, static_cast<int32_t>(m0),
-                 full);
+                 full, x_policy);
         tma_load(x_tile + kPass1XTileBytes, &maps.w, k, static_cast<int32_t>(n0), full);
       }
     }
