@@ -32,10 +32,10 @@ def prepare_weight(weight: Tensor) -> Tensor:
 
     Returns a 1-D uint8 tensor of ``N * (128 * ceil(K / 64) + 16)`` bytes: each row of
     ``weight`` scaled by a power of two and rounded to fp16 (128-byte rows), then per row its
-    scale and two norms as float32 (layout in csrc/prepared_weight.h). Pass it as ``prepared_weight`` to :func:`forward` with the same
-    ``weight``: the forward's float32-exact certified path (sm_90a, from 641 rows, or 513 with a
-    prepared weight) then skips making this copy on every call (~8-10 us at K = 8192, N = 512 on
-    an H200). Results are the same bits with
+    scale and two norms as float32 (layout in csrc/prepared_weight.h). Pass it as
+    ``prepared_weight`` to :func:`forward` with the same ``weight``: the forward's float32-exact
+    certified path (sm_90a, from 641 rows, or 513 with a prepared weight) then skips making this
+    copy on every call (~8-10 us at K = 8192, N = 512 on an H200). Results are the same bits with
     or without it. It is tied to ``weight``: once ``weight`` changes in place (an optimizer step,
     ``copy_``, ``load_state_dict``), or with another weight tensor, forward raises. Not seen:
     writes through ``.data``, and the origin of a copy of a prepared weight (``clone()``, a loaded
@@ -139,7 +139,7 @@ def _check_forward_shapes(x, weight, bias):
 
 
 def _prepared_bytes(rows, in_features):
-    # csrc/prepared_weight.h: the fp16 copy in 128-byte rows, then 16 bytes of scale and norms per row.
+    # csrc/prepared_weight.h: the fp16 copy in 128-byte rows, then 16 bytes per row (scale, norms).
     return rows * (128 * ((in_features + 63) // 64) + 16)
 
 

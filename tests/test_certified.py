@@ -1,7 +1,7 @@
 """The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch =
-641 rows, 513 with a prepared weight; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies): a single-pass GEMM on
-scaled fp16 copies of the rows with a proven error bound, then float32 rescoring of the columns that may still hold each row's
-maximum.
+641 rows, 513 with a prepared weight; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies):
+a single-pass GEMM on scaled fp16 copies of the rows with a proven error bound, then float32
+rescoring of the columns that may still hold each row's maximum.
 
 Each test runs the forward with the path forced on and checks the answer against float64 (the same
 check as every other forward test), on data built to stress the bound: ties, near-ties, huge and

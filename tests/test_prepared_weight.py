@@ -45,7 +45,8 @@ def test_layout_matches_float64(pooled, in_features, device):
     )[:, None]
     prepared = fused_pool_gelu.prepare_weight(weight)
     assert prepared.dtype == torch.uint8 and prepared.device == weight.device
-    copy, norm, residual_norm, inverse_scale, padding, spare = _unpack(prepared, pooled, in_features)
+    unpacked = _unpack(prepared, pooled, in_features)
+    copy, norm, residual_norm, inverse_scale, padding, spare = unpacked
     assert bool((padding == 0).all()) and bool((spare == 0).all())
     # Powers of two that put each row's largest magnitude in [2^14, 2^15).
     mantissa, _ = torch.frexp(inverse_scale)
@@ -58,7 +59,8 @@ def test_layout_matches_float64(pooled, in_features, device):
     # Upper bounds on the float64 norms, and tight ones.
     norm64 = w64.norm(dim=1)
     residual64 = ((scaled - copy.double()) * inverse_scale.double()[:, None]).norm(dim=1)
-    assert bool((norm.double() >= norm64).all()) and bool((norm.double() <= norm64 * (1 + 1e-5)).all())
+    assert bool((norm.double() >= norm64).all())
+    assert bool((norm.double() <= norm64 * (1 + 1e-5)).all())
     assert bool((residual_norm.double() >= residual64).all())
     assert bool((residual_norm.double() <= residual64 * (1 + 1e-5) + 1e-30).all())
 

@@ -575,6 +575,12 @@ void launch_gemm(const GemmPlan& plan, const Operand& x, const Operand& w, float
   }
 }
 
+// The smallest float at or above v (the bound's constants are computed in double).
+float round_up_to_float(double v) {
+  const float f = static_cast<float>(v);
+  return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
+}
+
 // The bound's constants (see the certified section), computed in double and rounded up.
 // chain_products: products a tensor-core accumulation chain sums before pass 1 adds it into
 // float32 registers (a whole split when it never flushes).
@@ -583,10 +589,7 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain
   const double s = static_cast<double>(splits);
   const double chain = static_cast<double>(chain_products);
   auto gamma = [](double terms, double u) { return terms * u / (1.0 - terms * u); };
-  auto up = [](double v) {
-    const float f = static_cast<float>(v);
-    return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
-  };
+  const auto up = round_up_to_float;
   const double depth = static_cast<double>(certified::reduction_depth(k_padded / 4));
   const double squares_depth = std::max(k + s, depth);
   const double g_sum = gamma(std::ceil(k / chain) + s + 2, 0x1p-24);
@@ -685,13 +688,9 @@ void dispatch_split_bound(int64_t splits, F&& f) {
 // The prepared weight's norm constants (prepared_weight.h): its sums of squares are one
 // reduction per row (reduction_depth), whatever pass 1's splits.
 void prepared_norm_constants(int64_t k_padded, float& squares_floor, float& norm_slack) {
-  auto up = [](double v) {
-    const float f = static_cast<float>(v);
-    return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
-  };
   const double depth = static_cast<double>(certified::reduction_depth(k_padded / 4));
-  squares_floor = up(static_cast<double>(k_padded) * 0x1p-148);
-  norm_slack = up(1.0 + depth * 0x1p-24 / (1.0 - depth * 0x1p-24) + 0x1p-22);
+  squares_floor = round_up_to_float(static_cast<double>(k_padded) * 0x1p-148);
+  norm_slack = round_up_to_float(1.0 + depth * 0x1p-24 / (1.0 - depth * 0x1p-24) + 0x1p-22);
 }
 
 // Writes the prepared weight of w's n rows (prepared_bytes(n, k_padded) bytes at `prepared`,

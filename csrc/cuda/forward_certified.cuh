@@ -401,8 +401,8 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
 // The x rows' norms, once per call, between pass 1 and the selection, from pass 1's per-split
 // sums: each split's sums are in the units of that split's scale 2^e_s, so they are brought to
 // the largest of the row's scales' inverses (the smallest e) by factors 2^(2 (e_min - e_s)) <= 1
-// before they are added, all rounded up (a sum of S terms, outside gamma'); then sqrt(sum + K 2^-148) (1 + gamma' + 2^-22) 2^-e_min,
-// rounded up (see the top). One thread per row.
+// before they are added, all rounded up (a sum of S terms, outside gamma'); then sqrt(sum + K
+// 2^-148) (1 + gamma' + 2^-22) 2^-e_min, rounded up (see the top). One thread per row.
 template <int kSplitBound>
 __global__ void __launch_bounds__(kThreads)
     x_norms_kernel(const float* __restrict__ x_sumsq, const float* __restrict__ x_residual_sumsq,
@@ -475,8 +475,8 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
   bool whole_row = false;
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
     float lo = -INFINITY, hi = INFINITY;
-    whole_row |= !column_value_interval<kSplitBound>(p, row_partial, col, x_norms,
-                                                     load_norms(p.w_norms + col * p.w_norms_stride), lo, hi);
+    const Norms w_norms = load_norms(p.w_norms + col * p.w_norms_stride);
+    whole_row |= !column_value_interval<kSplitBound>(p, row_partial, col, x_norms, w_norms, lo, hi);
     best_lower = fmaxf(best_lower, lo);
     s_upper[col] = hi;
   }

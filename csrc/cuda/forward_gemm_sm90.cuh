@@ -507,7 +507,8 @@ constexpr int kPass1ConsumerRegisters = 224;
 static_assert(kPass1SmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
 static_assert(kPass1StageBytes % kWgSwizzleAlign == 0 && kPass1XBoxBytes % kWgSwizzleAlign == 0,
               "swizzled tiles stay 1024-byte aligned");
-static_assert(kPass1BlockK * 2 == 128 && kPass1XBoxK * 4 == 128, "one 128-byte swizzle row per tile row");
+static_assert(kPass1BlockK * 2 == 128 && kPass1XBoxK * 4 == 128,
+              "one 128-byte swizzle row per tile row");
 static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= kWgThreads * 168,
               "setmaxnreg within the launch's registers");
 
@@ -581,7 +582,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     fence_mbarrier_init();
   }
   __syncthreads();
-  // The weight's fp16 copy is the previous kernel's output (this one is its programmatic dependent).
+  // The weight's fp16 copy may be the previous kernel's output (this one is its programmatic
+  // dependent).
   wait_for_previous_grid();
 
   if (warp < kWgProducerThreads / 32) {
