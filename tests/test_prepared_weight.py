@@ -200,3 +200,55 @@ def test_model_new_keeps_a_prepared_weight_on_cuda_only(device):
     with torch.no_grad():
         torch.testing.assert_close(second, reference(x), rtol=1e-5, atol=1e-5)
     assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("where", ["argument", "inside"])
+def test_compiled_function_with_a_prepared_weight_equals_eager(where, device, make_inputs):
+    # Traced through the fake kernels with no graph break; at run time the guard sees the real
+    # tensors (a prepared weight made inside the graph is recorded there like an eager one).
+    x, weight, bias = make_inputs(40, 72, 5, torch.float32, device)
+
+    def with_argument(x, weight, bias, prepared):
+        return fused_pool_gelu.forward(x, weight, bias, 2.0, prepared)
+
+    def inside(x, weight, bias):
+        return fused_pool_gelu.forward(x, weight, bias, 2.0, fused_pool_gelu.prepare_weight(weight))
+
+    torch._dynamo.reset()
+    try:
+        if where == "argument":
+            prepared = fused_pool_gelu.prepare_weight(weight)
+            compiled = torch.compile(with_argument, backend="aot_eager", fullgraph=True)
+            got = compiled(x, weight, bias, prepared)
+        else:
+            compiled = torch.compile(inside, backend="aot_eager", fullgraph=True)
+            got = compiled(x, weight, bias)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, fused_pool_gelu.forward(x, weight, bias, 2.0), rtol=0, atol=0)
+
+
+def test_threads_preparing_and_calling_concurrently_agree(make_inputs):
+    # The table that ties prepared weights to their weights is shared by every thread.
+    import threading
+
+    x, weight, bias = make_inputs(16, 40, 6, torch.float32, "cpu")
+    expected = fused_pool_gelu.forward(x, weight, bias, 2.0)
+    failures = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                own = weight.clone()
+                prepared = fused_pool_gelu.prepare_weight(own)
+                if not torch.equal(fused_pool_gelu.forward(x, own, bias, 2.0, prepared), expected):
+                    failures.append("different result")
+        except Exception as error:  # noqa: BLE001 - reported below
+            failures.append(repr(error))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
