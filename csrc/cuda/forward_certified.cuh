@@ -147,7 +147,7 @@ struct SelectParams {
   const float* partial;   // [splits, batch, n]
   int split_stride;       // batch * n
   int splits;
-  const Norms* x_norms;   // [batch]: prepare_rows_kernel's
+  const Norms* x_norms;   // [batch]: x_norms_kernel's
   const Norms* w_norms;   // the prepared weight's: column n's at w_norms[n * w_norms_stride]
   int64_t w_norms_stride;
   const float* bias;      // [n] or nullptr
@@ -292,6 +292,28 @@ __device__ __forceinline__ float2 block_sum(float2 v, float2* s_partial) {
 // residual, more candidates): correct either way.
 constexpr int kMaxScaleExponent = kPreparedMaxScaleExponent;
 
+// The exponent e of a row's scale 2^e (see the top): its largest magnitude times 2^e lands in
+// [2^target, 2^(target + 1)), within +-kMaxScaleExponent; 0 for a zero or non-finite row.
+__device__ __forceinline__ int scale_exponent(float largest, int target) {
+  if (!(largest > 0.f) || !isfinite(largest)) return 0;
+  return min(max(target - ilogbf(largest), -kMaxScaleExponent), kMaxScaleExponent);
+}
+
+// fp16(v), rounded to nearest, or 0 where |v| < 2^-14 (see the top: the tensor core never sees a
+// subnormal), packed two to a register: every fp16 copy, the weight's and x's, is made by this.
+__device__ __forceinline__ uint32_t fp16_pair(float a, float b) {
+  const __half2 h = __floats2half2_rn(fabsf(a) < 0x1p-14f ? 0.f : a, fabsf(b) < 0x1p-14f ? 0.f : b);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// A norm bound from a sum of squares of scaled values (see the top):
+// sqrt(squares + floor) slack 2^-e, every step rounded up; inverse = 2^-e.
+__device__ __forceinline__ float norm_from_squares(float squares, float squares_floor,
+                                                   float norm_slack, float inverse) {
+  const float scaled_norm = __fmul_ru(__fsqrt_ru(__fadd_ru(squares, squares_floor)), norm_slack);
+  return __fmul_ru(scaled_norm, inverse);
+}
+
 struct PrepareParams {
   const float* w;         // [n, k_padded], row stride ldw
   int64_t ldw;
@@ -340,23 +362,17 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
   }
   bool unused = false;
   largest = block_max(largest, unused, s_value, s_flag);
-  int exponent = 0;
-  if (largest > 0.f && isfinite(largest)) {
-    exponent = min(max(14 - ilogbf(largest), -kMaxScaleExponent), kMaxScaleExponent);
-  }
+  const int exponent = scale_exponent(largest, 14);
   const float scale = ldexpf(1.f, exponent);
 
   // Squares of the scaled values in .x, of their residuals in .y.
   float2 sums = make_float2(0.f, 0.f);
   auto convert = [&](int64_t i, const float4& v) {
     const float scaled[4] = {v.x * scale, v.y * scale, v.z * scale, v.w * scale};
-    float kept[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) kept[e] = fabsf(scaled[e]) < 0x1p-14f ? 0.f : scaled[e];
-    const __half2 low = __floats2half2_rn(kept[0], kept[1]);
-    const __half2 high = __floats2half2_rn(kept[2], kept[3]);
-    const float2 low_back = __half22float2(low);
-    const float2 high_back = __half22float2(high);
+    const uint32_t low = fp16_pair(scaled[0], scaled[1]);
+    const uint32_t high = fp16_pair(scaled[2], scaled[3]);
+    const float2 low_back = __half22float2(*reinterpret_cast<const __half2*>(&low));
+    const float2 high_back = __half22float2(*reinterpret_cast<const __half2*>(&high));
     const float residual[4] = {scaled[0] - low_back.x, scaled[1] - low_back.y,
                                scaled[2] - high_back.x, scaled[3] - high_back.y};
 #pragma unroll
@@ -364,8 +380,7 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
       sums.x = fmaf(scaled[e], scaled[e], sums.x);
       sums.y = fmaf(residual[e], residual[e], sums.y);
     }
-    copy[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&low),
-                         *reinterpret_cast<const uint32_t*>(&high));
+    copy[i] = make_uint2(low, high);
   };
   // The same pieces in the same order either way: the same sums.
   if constexpr (kCached) {
@@ -386,9 +401,7 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
   if (threadIdx.x == 0) {
     const float inverse = ldexpf(1.f, -exponent);
     auto norm = [&](float sum) {
-      const float scaled_norm =
-          __fmul_ru(__fsqrt_ru(__fadd_ru(sum, p.squares_floor)), p.norm_slack);
-      return __fmul_ru(scaled_norm, inverse);
+      return norm_from_squares(sum, p.squares_floor, p.norm_slack, inverse);
     };
     float trailer[4] = {};
     trailer[kPreparedNorm] = norm(sums.x);
@@ -437,8 +450,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   const float inverse = ldexpf(1.f, -smallest);
   auto norm = [&](float squares) {
-    const float scaled_norm = __fmul_ru(__fsqrt_ru(__fadd_ru(squares, squares_floor)), norm_slack);
-    return __fmul_ru(scaled_norm, inverse);
+    return norm_from_squares(squares, squares_floor, norm_slack, inverse);
   };
   x_norms[row] = Norms{norm(sum), norm(residual_sum)};
 }

@@ -542,12 +542,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16_rs(float (&d)[128], const u
 #undef FPG_ACC32
 #undef FPG_ACC8
 
-// fp16(v), rounded to nearest, or 0 where |v| < 2^-14 (forward_certified.cuh: the tensor core never
-// sees a subnormal), packed two to a register.
-__device__ __forceinline__ uint32_t fp16_pair(float a, float b) {
-  const __half2 h = __floats2half2_rn(fabsf(a) < 0x1p-14f ? 0.f : a, fabsf(b) < 0x1p-14f ? 0.f : b);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 #endif  // FPG_WGMMA_DEVICE_CODE
 
 __global__ void __launch_bounds__(kWgThreads, 1)
@@ -671,11 +665,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         // The row's 64 values of the tile are spread over the 4 lanes of its quad.
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 1));
         largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 2));
-        int e = 0;
-        if (largest[h] > 0.f && isfinite(largest[h])) {
-          e = min(max(kPass1XScaleTarget - ilogbf(largest[h]), -certified::kMaxScaleExponent),
-                  certified::kMaxScaleExponent);
-        }
+        const int e = certified::scale_exponent(largest[h], kPass1XScaleTarget);
         scale_exponent[h] = e;
         row_scale[h] = ldexpf(1.f, e);
         row_inverse_scale[h] = ldexpf(1.f, -e);
@@ -692,7 +682,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         for (int h = 0; h < 2; ++h) {
           const float s0 = v[h][q].x * row_scale[h];
           const float s1 = v[h][q].y * row_scale[h];
-          const uint32_t pair = fp16_pair(s0, s1);
+          const uint32_t pair = certified::fp16_pair(s0, s1);
           a[kk][2 * q + h] = pair;
           if (sums_rows) {
             const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&pair));
