@@ -149,6 +149,11 @@ __device__ __forceinline__ void wgmma_wait_one() {
 }
 // Generic-proxy writes to shared memory (st.shared, cp.async) become visible to the async proxy
 // that wgmma reads through only after this fence (and a barrier with the reading threads).
+// Named barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads').
+__device__ __forceinline__ void consumer_barrier() {
+  asm volatile("bar.sync 1, %0;" ::"n"(32 * kWgConsumerWarps) : "memory");
+}
+
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -246,18 +251,18 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[kWgAccum], const
 // Stores one consumer warp's share of an m64nN wgmma accumulator as split `split`'s partial sums:
 // value 4 j + e of this thread is row g (+8 for e >= 2) of the warp's 16 rows starting at `row0`,
 // column n0 + 8 j + 2 t (+1 for odd e), g = lane / 4, t = lane % 4; rows and columns past the
-// launch's clipped. With p.w_inverse_scale set (certified pass 1), each value is first multiplied
-// by its row's and its column's inverse scales (powers of two whose product is a normal float:
-// exact unless the result is subnormal).
+// launch's clipped. With column_inverse_scale set (certified pass 1: column n0 + c's at [c], in
+// shared memory), each value is first multiplied by its row's and its column's inverse scales
+// (powers of two whose product is a normal float: exact unless the result is subnormal).
 template <int kAccum>
 __device__ __forceinline__ void store_partial(const GemmParams& p, const float (&acc)[kAccum],
                                               int split, int64_t row0, int64_t n0, int lane,
-                                              const float (&row_inverse_scale)[2] = {1.f, 1.f}) {
+                                              const float (&row_inverse_scale)[2] = {1.f, 1.f},
+                                              const float* column_inverse_scale = nullptr) {
   const int g = lane >> 2;
   const int t = lane & 3;
   float* out = p.partial + split * p.split_stride;
   const bool vec2 = (p.n % 2) == 0;  // then col even and col < N => col + 1 < N
-  const bool unscale = p.w_inverse_scale != nullptr;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t m = row0 + g + 8 * h;
@@ -269,10 +274,11 @@ __device__ __forceinline__ void store_partial(const GemmParams& p, const float (
       const int64_t col = n0 + 8 * j + 2 * t;
       float v0 = acc[4 * j + 2 * h];
       float v1 = acc[4 * j + 2 * h + 1];
-      if (unscale) {
-        const float* column_scale = p.w_inverse_scale + col * p.w_inverse_scale_stride;
-        if (col < p.n) v0 *= row_scale * column_scale[0];
-        if (col + 1 < p.n) v1 *= row_scale * column_scale[p.w_inverse_scale_stride];
+      if (column_inverse_scale != nullptr) {
+        const float2 column_scale =
+            *reinterpret_cast<const float2*>(column_inverse_scale + 8 * j + 2 * t);
+        v0 *= row_scale * column_scale.x;
+        v1 *= row_scale * column_scale.y;
       }
       if (vec2) {
         if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
@@ -495,7 +501,11 @@ constexpr int kPass1XTileBytes = 2 * kPass1XBoxBytes;              // 32 KB
 constexpr int kPass1WTileBytes = kPass1BlockN * kPass1BlockK * 2;  // 32 KB
 constexpr int kPass1StageBytes = kPass1XTileBytes + kPass1WTileBytes;
 constexpr int kPass1BarrierOffset = kPass1Stages * kPass1StageBytes;
-constexpr int kPass1SmemBytes = kPass1BarrierOffset + 2 * kPass1Stages * 8 + kWgSwizzleAlign;
+// The tile's column inverse scales, copied from the prepared weight's trailers at the start: read
+// from global memory in the store, each would be a round trip between two stores that ptxas cannot
+// reorder (the stores may alias them), 64 in a chain per thread.
+constexpr int kPass1ColumnScaleOffset = kPass1BarrierOffset + 2 * kPass1Stages * 8;
+constexpr int kPass1SmemBytes = kPass1ColumnScaleOffset + kPass1BlockN * 4 + kWgSwizzleAlign;
 // x's scale per row and split: the first tile's largest |x| goes to [2^10, 2^11), leaving a factor
 // 32 below fp16's largest finite value (65504) for the split's later tiles; a larger value
 // overflows to infinity and the row is rescored whole (forward_certified.cuh).
@@ -505,6 +515,7 @@ constexpr int kPass1XScaleTarget = 10;
 constexpr int kPass1ProducerRegisters = 56;
 constexpr int kPass1ConsumerRegisters = 224;
 static_assert(kPass1SmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
+static_assert(32 * kWgConsumerWarps == kPass1BlockN, "one column scale per consumer thread");
 static_assert(kPass1StageBytes % kWgSwizzleAlign == 0 && kPass1XBoxBytes % kWgSwizzleAlign == 0,
               "swizzled tiles stay 1024-byte aligned");
 static_assert(kPass1BlockK * 2 == 128 && kPass1XBoxK * 4 == 128,
@@ -551,9 +562,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t smem_base =
       (shared_address(smem_raw) + (kWgSwizzleAlign - 1)) & ~uint32_t{kWgSwizzleAlign - 1};
-  const unsigned char* smem = smem_raw + (smem_base - shared_address(smem_raw));
+  unsigned char* const smem = smem_raw + (smem_base - shared_address(smem_raw));
   const uint32_t full_barrier = smem_base + kPass1BarrierOffset;
   const uint32_t empty_barrier = full_barrier + 8 * kPass1Stages;
+  float* const column_inverse_scale = reinterpret_cast<float*>(smem + kPass1ColumnScaleOffset);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -607,6 +619,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   // Consumers.
   set_max_registers<true, kPass1ConsumerRegisters>();
+  {
+    const int64_t column = n0 + (tid - kWgProducerThreads);
+    column_inverse_scale[tid - kWgProducerThreads] =
+        column < p.n ? p.w_inverse_scale[column * p.w_inverse_scale_stride] : 0.f;
+  }
   const int consumer = warp / 4 - 1;  // x rows [64 c, 64 c + 64)
   const int warp_in_group = warp % 4;
   const int g = lane / 4;
@@ -705,7 +722,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // other consumer warpgroup keeps the tensor core busy meanwhile. Two A register sets with one
     // group in flight (branch next/pass1-two-a-sets: the loop peeled so that ptxas does not
     // serialize the wgmmas, C7513) measured the same (pass 1 34.9 against 35.2 us at B = 1024,
-    // H200): the pass is bound by its loads (1 MB per CTA from L2), not by this wait.
+    // H200, when the store still read the column scales from global memory): not this wait.
     wgmma_wait_all();
     __syncwarp();
     if (lane == 0) mbarrier_arrive(empty_barrier + 8 * stage);
@@ -714,7 +731,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   for (int kt = 0; kt < num_k_tiles; ++kt) process_tile(kt, a);
 
   const int64_t row0 = m0 + tile_row;
-  store_partial(p, acc, split, row0 - g, n0, lane, row_inverse_scale);
+  consumer_barrier();  // the column scales written
+  store_partial(p, acc, split, row0 - g, n0, lane, row_inverse_scale, column_inverse_scale);
   if (sums_rows) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
