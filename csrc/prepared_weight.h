@@ -10,7 +10,9 @@
 //     to nearest for i < K, 0 where that magnitude is below 2^-14 (fp16's smallest normal), then
 //     zeros up to C (128-byte rows: pass 1's TMA boxes then start on 128-byte lines; rows 16
 //     bytes longer, with their trailer inside, made pass 1 12% slower at K = 8192 on an H200);
-//     e_n puts the row's largest magnitude in [2^14, 2^15) (|e_n| <= 63);
+//     e_n puts the row's largest magnitude in [2^14, 2^15) (|e_n| <= 63). Within each block of
+//     64 columns the values are in pass 1's multiply order, not in column order: column i's
+//     group of 4 is stored as group prepared_copy_group(i / 4);
 //   then N trailers of 4 float32: an upper bound on ||weight[n]||_2, one on the norm of the copy's
 //     residual ||weight[n] - copy[n] 2^-e_n||_2, 2^-e_n, and 0.
 // Bytes, not float16: the trailers' float32 bits are no fp16 values (some would read as NaN).
@@ -38,6 +40,20 @@ constexpr int64_t kPreparedTrailerBytes = 16;  // 4 float32
 
 // Halves of a row's copy: K rounded up to a multiple of 64 (128-byte rows).
 constexpr int64_t prepared_copy_halves(int64_t in_features) { return (in_features + 63) / 64 * 64; }
+
+// Where column group `group` (columns 4 group .. 4 group + 3) of a row is stored in its copy.
+// Pass 1 reads x in float32 from a 128-byte-swizzled tile and converts it into the m16n8k16 A
+// fragment, whose lane (g, t) holds K positions 2t, 2t+1, 2t+8 and 2t+9 of each 16. Taken in
+// column order, lanes g and g ^ 1 hit the same banks (the swizzle XORs the 16-byte chunk with the
+// row's g), and 37% of those loads' wavefronts were conflicts (Nsight Compute, H200). K is summed
+// in any order, so the weight's copy takes the order that makes them conflict-free: in a block of
+// 64 columns, group bits (g3 g2 g1 g0) move to (g3 g1 g0 g2), so that lanes t < 2 and t >= 2 read
+// chunks 4 apart, which no XOR with g < 4 or g >= 4 can make meet (forward_gemm_sm90.cuh's
+// certified_pass1_kernel, x_offset).
+constexpr int64_t prepared_copy_group(int64_t group) {
+  const int64_t g = group & 15;
+  return (group & ~int64_t{15}) | (g & 8) | ((g & 3) << 1) | ((g >> 2) & 1);
+}
 
 // Bytes before the trailers, and in all.
 constexpr int64_t prepared_copy_bytes(int64_t rows, int64_t in_features) {

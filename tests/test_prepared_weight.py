@@ -20,13 +20,24 @@ def _size(pooled, in_features):
     return pooled * (128 * math.ceil(in_features / 64) + 16)
 
 
+def _copy_positions(copy_halves):
+    """Where each column sits in a row of the copy: prepared_copy_group (csrc/prepared_weight.h)
+    moves column group bits (g3 g2 g1 g0) within each block of 64 columns to (g3 g1 g0 g2)."""
+    column = torch.arange(copy_halves)
+    group = column // 4
+    g = group % 16
+    moved = (group - g) + (g & 8) + ((g & 3) << 1) + ((g >> 2) & 1)
+    return 4 * moved + column % 4
+
+
 def _unpack(prepared, pooled, in_features):
-    """(copy [N, K] float16, norm, residual norm, inverse scale, the copy's padding, the trailers'
-    spare slot) of a prepared weight (csrc/prepared_weight.h)."""
+    """(copy [N, K] float16 in column order, norm, residual norm, inverse scale, the copy's
+    padding, the trailers' spare slot) of a prepared weight (csrc/prepared_weight.h)."""
     copy_halves = 64 * math.ceil(in_features / 64)
     raw = prepared.cpu()
     assert raw.shape == (_size(pooled, in_features),)
-    copy = raw[: pooled * 2 * copy_halves].view(torch.float16).view(pooled, copy_halves)
+    stored = raw[: pooled * 2 * copy_halves].view(torch.float16).view(pooled, copy_halves)
+    copy = stored[:, _copy_positions(copy_halves)]
     trailer = raw[pooled * 2 * copy_halves :].view(torch.float32).view(pooled, 4)
     return (copy[:, :in_features], trailer[:, 0], trailer[:, 1], trailer[:, 2],
             copy[:, in_features:], trailer[:, 3])

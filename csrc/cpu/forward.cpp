@@ -123,7 +123,7 @@ at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
         const float scaled = v[i] * scale;
         const at::Half half(std::fabs(scaled) < 0x1p-14f ? 0.f : scaled);
         const float residual = scaled - static_cast<float>(half);
-        copy[i] = half;
+        copy[4 * prepared_copy_group(i / 4) + i % 4] = half;
         squares += static_cast<double>(scaled) * scaled;
         residual_squares += static_cast<double>(residual) * residual;
       }

@@ -627,11 +627,11 @@ bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor
          certified_applies(info, x, weight, batch, n, k_padded, scale);
 }
 
-// Pass 1's 2-D tensor map over `rows` rows of k_padded elements (row stride ld elements): boxes of
+// Pass 1's 2-D tensor map over `rows` rows of `columns` elements (row stride ld elements): boxes of
 // 128 bytes (the swizzle span) x box_rows rows, 128-byte swizzle, zeros out of bounds. The driver's
 // encoder is reached through the runtime (no link against libcuda).
 template <typename T>
-CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t k_padded, int box_rows) {
+CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t columns, int box_rows) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, __half>, "float32 or fp16");
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
@@ -644,7 +644,7 @@ CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t k_padded
     return reinterpret_cast<Encode>(function);
   }();
   CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k_padded), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * sizeof(T)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / sizeof(T)),
                              static_cast<cuuint32_t>(box_rows)};
@@ -773,9 +773,11 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   gemm.x_sumsq = partial + sums_offset;
   gemm.x_residual_sumsq = gemm.x_sumsq + splits * batch;
   gemm.x_scale_exponent = reinterpret_cast<int*>(gemm.x_residual_sumsq + splits * batch);
+  // The copy's whole rows: its last block of 64 holds columns below k_padded at positions above
+  // it (prepared_copy_group), and zeros for the rest; x's map zero-fills past k_padded.
   const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, fg::kPass1BlockM),
                          tensor_map(reinterpret_cast<const __half*>(prepared), copy_halves, n,
-                                    k_padded, fg::kPass1BlockN)};
+                                    copy_halves, fg::kPass1BlockN)};
   cudaLaunchAttribute pass1_attribute{};
   cudaLaunchConfig_t pass1_config =
       dependent_launch_config(1, fg::kWgThreads, stream, pass1_attribute);

@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
       sums.x = fmaf(scaled[e], scaled[e], sums.x);
       sums.y = fmaf(residual[e], residual[e], sums.y);
     }
-    copy[i] = make_uint2(low, high);
+    copy[prepared_copy_group(i)] = make_uint2(low, high);
   };
   // The same pieces in the same order either way: the same sums.
   if constexpr (kCached) {
@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
   }
   // The copy's zero padding up to 128-byte rows.
   for (int64_t i = p.k4 + threadIdx.x; i < p.copy_halves / 4; i += kThreads) {
-    copy[i] = make_uint2(0u, 0u);
+    copy[prepared_copy_group(i)] = make_uint2(0u, 0u);
   }
   sums = block_sum(sums, s_partial);
   if (threadIdx.x == 0) {

@@ -480,9 +480,10 @@ struct TmaMaps {
 //   warp 0, lane 0: the TMA producer (two 16 KB float32 x boxes and one 32 KB fp16 weight box per
 //     stage, all 128-byte swizzled, completing on the stage's full barrier); warps 1-3 idle;
 //   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all 256 weight rows. Per K step
-//     of 16 each thread loads its A fragment (rows g and g + 8 of its warp's 16, columns 2 t, 2 t
-//     + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout) from the float32 stage, converts it to fp16
-//     (4 registers), and issues one m64n256k16 wgmma with A from registers and the weight from
+//     of 16 each thread loads its A fragment (rows g and g + 8 of its warp's 16, K positions 2 t,
+//     2 t + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout; the columns at those positions are the
+//     weight copy's, prepared_copy_group) from the float32 stage, converts it to fp16 (4
+//     registers), and issues one m64n256k16 wgmma with A from registers and the weight from
 //     shared memory (K-major: a 128-byte row is 64 halves, K step kk starts 32 kk bytes into it).
 //     The consumers whose rows' norms this CTA owes also sum the squares of the
 //     scaled x values and of their fp16 residuals.
@@ -634,10 +635,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const bool sums_rows = static_cast<int>(blockIdx.x) == consumer % static_cast<int>(gridDim.x) &&
                          p.x_sumsq != nullptr;
 
-  // Byte offset, within a stage, of this thread's float2 at row tile_row + 8 h, K column 16 kk +
-  // 2 t + 8 q of the tile (box kk / 2, 16-byte chunk 4 (kk % 2) + t / 2 + 2 q, swizzled by g).
+  // Byte offset, within a stage, of this thread's float2 for K positions 16 kk + 2 t + 8 q (+1) of
+  // row tile_row + 8 h: the weight's copy holds those positions' columns in the order of
+  // prepared_copy_group (prepared_weight.h), x box kk / 2, 16-byte chunk 2 (kk % 2) + q + 4 (t /
+  // 2), swizzled by g: each half-warp's 8 chunks are distinct, no bank conflict.
   auto x_offset = [&](int kk, int h, int q) {
-    const int chunk = 4 * (kk % 2) + t / 2 + 2 * q;
+    const int chunk = 2 * (kk % 2) + q + 4 * (t / 2);
     return (kk / 2) * kPass1XBoxBytes + (tile_row + 8 * h) * 128 + ((chunk ^ g) << 4) + 8 * (t % 2);
   };
   auto load_fragment = [&](int stage, int kk, float2 (&v)[2][2]) {
@@ -692,7 +695,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     for (int kk = 0; kk < kPass1BlockK / kPass1MmaK; ++kk) {
       float2 v[2][2];
       load_fragment(stage, kk, v);
-      // a[0]: row g, columns 2t, 2t+1; a[1]: row g+8; a[2], a[3]: the same rows, columns + 8.
+      // a[0]: row g, K positions 2t, 2t+1; a[1]: row g+8; a[2], a[3]: the same rows, positions
+      // + 8.
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
 #pragma unroll
