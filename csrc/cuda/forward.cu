@@ -70,15 +70,14 @@ constexpr int64_t kSimtMaxBatch = 32;
 // The certified path (see the top) from this batch on: kCertifiedMinBatch rows when it makes the
 // weight's fp16 copy itself, kCertifiedPreparedMinBatch when the caller passes one
 // (prepare_weight). H200 medians on the benchmarks' data (a folded nn.Linear, x ~ U(0, 1);
-// profile_forward.py, 2026-11-30 03:22 UTC), certified (copy made per call / prepared) against
-// 3xTF32: B = 512 62.6 / 56.2 against 49.2 us, 576 64.8 / 59.4 against 67.9, 640 65.6 / 59.6
-// against 61.3, 704 69.3 / 63.4 against 77.6, 768 68.9 / 62.9 against 71.7, 1024 77.2 / 69.4
-// against 87.5, 4096 170.1 / 160.5 against 334.6. Pass 1 takes 31-38 us from 512 to 1024 rows (too
-// few 128-row tiles to fill the GPU without splits), and 3xTF32 steps with its tiles; the switches
-// sit at the first tile count from which certified wins at every measured batch (5 tiles + 1 row
-// and 4 tiles + 1 row), where the policy test checks them.
-constexpr int64_t kCertifiedMinBatch = 5 * fg::kPass1BlockM + 1;
-constexpr int64_t kCertifiedPreparedMinBatch = 4 * fg::kPass1BlockM + 1;
+// profile_forward.py, 2026-11-30 04:56-04:57 UTC), certified (copy made per call / prepared) against
+// 3xTF32: B = 256 46.8 / 39.2 against 31.9 us, 384 50.4 / 42.3 against 42.7, 512 52.0 / 42.7
+// against 48.9, 640 55.4 / 45.9 against 61.2, 768 57.6 / 48.7 against 71.6. Pass 1 takes 20-24
+// us from 128 to 768 rows (too few 128-row tiles to fill the GPU without splits), and 3xTF32 steps
+// with its tiles; the switches sit at the first tile count from which certified wins at every
+// measured batch (4 tiles + 1 row and 3 tiles + 1 row), where the policy test checks them.
+constexpr int64_t kCertifiedMinBatch = 4 * fg::kPass1BlockM + 1;
+constexpr int64_t kCertifiedPreparedMinBatch = 3 * fg::kPass1BlockM + 1;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
