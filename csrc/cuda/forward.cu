@@ -671,8 +671,9 @@ struct Selection {
 
 // Calls f(std::integral_constant<int, bound>) with the smallest power of two bound at or above
 // splits, kMaxBound for anything above it: the kernels that sum split partials with all their
-// loads at once (sum_few_splits) are compiled for these bounds (the certified selection and norms,
-// forward_certified.cuh, up to certified::kMaxSplits; the epilogue up to kEpilogueMaxSplitBound).
+// loads at once (sum_few_splits, column_split_sum) are compiled for these bounds (the certified
+// selection and norms, forward_certified.cuh, up to certified::kMaxSplits; the epilogue up to
+// kEpilogueMaxSplitBound).
 template <int kMaxBound, int kBound = 1, typename F>
 void dispatch_split_bound(int64_t splits, F&& f) {
   static_assert(kMaxBound > 0 && (kMaxBound & (kMaxBound - 1)) == 0, "a power of two");

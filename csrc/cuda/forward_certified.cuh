@@ -98,7 +98,7 @@ namespace cuda {
 namespace certified {
 
 // Splits of pass 1, at most (forward.cu's planner): the selection reads every split's partial of
-// every (row, column), all at once (sum_few_splits), and its workspace (splits x rows x N
+// every (row, column), all at once (column_split_sum), and its workspace (splits x rows x N
 // partials, plus the norms and candidate lists) then stays at or below 8 x rows x N floats, under
 // one [B, O] tensor for pooling windows k >= 9 (docs/input_classes.md). The default shape takes 8
 // anyway (16 tiles x 8 = 128 CTAs). The certified path runs on one workspace slice (rows x N <=
@@ -166,13 +166,37 @@ struct SelectParams {
 // us). A chain of S dependent loads per column (the first version's split sums of squares) made
 // the selection latency-bound (~60 us at B = 1024).
 
+// Pass 1's split partials of one (row, column), at index = row * n + col of each split, added in
+// split order with every load issued at once, as sum_few_splits does (loads past the last split
+// re-read it), but indexed in 32 bits (kMaxSplits x rows x N fits, see kMaxSplits) and widened only
+// after a split's offset is added: unsigned 32-bit sums cannot be widened term by term, so the
+// compiler keeps each split's index in one register. From sum_few_splits' pointer (row_partial +
+// col) it kept a 64-bit address per split across the column loop when the code before the loop
+// changed: 8 more registers at 8 splits, 32-48 bytes of spills at the 40-register cap (the x norms
+// computed in this kernel, or none at all). Each load's address also takes 2 instructions, not 4.
+template <int kSplitBound>
+__device__ __forceinline__ float column_split_sum(const SelectParams& p, uint32_t index) {
+  float v[kSplitBound];
+#pragma unroll
+  for (int i = 0; i < kSplitBound; ++i) {
+    const uint32_t offset = static_cast<uint32_t>(min(i, p.splits - 1) * p.split_stride);
+    v[i] = __ldg(p.partial + (index + offset));
+  }
+  float z = v[0];
+#pragma unroll
+  for (int i = 1; i < kSplitBound; ++i) {
+    if (i < p.splits) z += v[i];
+  }
+  return z;
+}
+
 // z~ and its bound E for one column; false when either is not finite or the norms are too large
 // for the analysis.
 template <int kSplitBound>
-__device__ __forceinline__ bool column_interval(const SelectParams& p, const float* row_partial,
+__device__ __forceinline__ bool column_interval(const SelectParams& p, int64_t row_index,
                                                int64_t col, Norms x, Norms w, float& z,
                                                float& e) {
-  z = sum_few_splits<kSplitBound>(row_partial + col, p.split_stride, p.splits);
+  z = column_split_sum<kSplitBound>(p, static_cast<uint32_t>(row_index + col));
   const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
   z += b;
   const float product = __fmul_ru(x.value, w.value);
@@ -224,10 +248,10 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
 // NaN.
 template <int kSplitBound>
 __device__ __forceinline__ bool column_value_interval(const SelectParams& p,
-                                                      const float* row_partial, int64_t col,
+                                                      int64_t row_index, int64_t col,
                                                       Norms x, Norms w, float& lo, float& hi) {
   float z, e;
-  if (!column_interval<kSplitBound>(p, row_partial, col, x, w, z, e)) return false;
+  if (!column_interval<kSplitBound>(p, row_index, col, x, w, z, e)) return false;
   value_interval(z, e, p.scale, lo, hi);
   return isfinite(lo) && isfinite(hi);
 }
@@ -480,7 +504,7 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
-  const float* row_partial = p.partial + row * p.n;
+  const int64_t row_index = row * p.n;  // of the row's first partial in each split
   const Norms x_norms = load_norms(p.x_norms + row);
 
   float best_lower = -INFINITY;
@@ -488,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
     float lo = -INFINITY, hi = INFINITY;
     const Norms w_norms = load_norms(p.w_norms + col * p.w_norms_stride);
-    whole_row |= !column_value_interval<kSplitBound>(p, row_partial, col, x_norms, w_norms, lo, hi);
+    whole_row |= !column_value_interval<kSplitBound>(p, row_index, col, x_norms, w_norms, lo, hi);
     best_lower = fmaxf(best_lower, lo);
     s_upper[col] = hi;
   }
