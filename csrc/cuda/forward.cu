@@ -12,11 +12,11 @@
 // On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight;
 // use_certified), the certified path replaces both: a scaled fp16 copy of the weight rows with
 // their norms (prepared_weight.h; skipped when the caller passes prepare_weight's), a single-pass
-// fp16 GEMM that converts x as it goes (forward_gemm_sm90.cuh's certified_pass1_kernel), x's
-// norms, a selection of the columns that may hold the row's maximum by a proven error bound, and
-// a float32 rescoring of those (forward_certified.cuh): four or five launches, the same results
-// as the 3xTF32 path's to float32 rounding, with the same tie and NaN rules, and the same bits
-// with or without a prepared weight.
+// fp16 GEMM that converts x as it goes (forward_gemm_sm90.cuh's certified_pass1_kernel), a
+// selection of the columns that may hold the row's maximum by a proven error bound (with x's norms
+// from pass 1's split sums), and a float32 rescoring of those (forward_certified.cuh): three or
+// four launches, the same results as the 3xTF32 path's to float32 rounding, with the same tie and
+// NaN rules, and the same bits with or without a prepared weight.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
 // through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
 #include <ATen/core/Tensor.h>
@@ -670,8 +670,9 @@ struct Selection {
 
 // Calls f(std::integral_constant<int, bound>) with the smallest power of two bound at or above
 // splits, kMaxBound for anything above it: the kernels that sum split partials with all their
-// loads at once (sum_few_splits) are compiled for these bounds (the certified selection and norms,
-// forward_certified.cuh, up to certified::kMaxSplits; the epilogue up to kEpilogueMaxSplitBound).
+// loads at once (sum_few_splits, column_split_sum) are compiled for these bounds (the certified
+// selection, forward_certified.cuh, up to certified::kMaxSplits; the epilogue up to
+// kEpilogueMaxSplitBound).
 template <int kMaxBound, int kBound = 1, typename F>
 void dispatch_split_bound(int64_t splits, F&& f) {
   static_assert(kMaxBound > 0 && (kMaxBound & (kMaxBound - 1)) == 0, "a power of two");
@@ -718,8 +719,8 @@ void launch_prepare(const Operand& w, int64_t n, int64_t k_padded, uint8_t* prep
 }
 
 // The weight's prepared copy (prepared_weight.h; made here unless the caller passes one), pass 1
-// (single-pass fp16 wgmma), x's norms and the selection, each a programmatic dependent of the one
-// before.
+// (single-pass fp16 wgmma) and the selection (which takes x's norms from pass 1's split sums), each
+// a programmatic dependent of the one before.
 Selection certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
                            const uint8_t* prepared, const float* bias, float scale, int64_t batch,
                            int64_t n, int64_t k_padded, const at::TensorOptions& options,
@@ -738,13 +739,12 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
               "fused_pool_gelu.forward: internal error: ", splits, " certified splits");
   // One allocation (each costs host time in every call), freed on return: the caching allocator
   // reuses it only after this stream's kernels. The partials; x's split sums of squares, of squared
-  // residuals and scale exponents; x's norms (float pairs: an even offset keeps them 8-byte
-  // aligned); the weight's prepared copy unless the caller has one (at a 16-byte offset, as TMA
-  // needs); then the selection's ints, which the caller keeps.
+  // residuals and scale exponents (the selection makes x's norms from them); the weight's prepared
+  // copy unless the caller has one (at a 16-byte offset, as TMA needs); then the selection's ints,
+  // which the caller keeps.
   const int64_t copy_halves = prepared_copy_halves(k_padded);
   const int64_t sums_offset = splits * batch * n;
-  const int64_t norms_offset = ceil_div(sums_offset + 3 * splits * batch, int64_t{2}) * 2;
-  const int64_t copy_offset = ceil_div(norms_offset + 2 * batch, int64_t{4}) * 4;
+  const int64_t copy_offset = ceil_div(sums_offset + 3 * splits * batch, int64_t{4}) * 4;
   const int64_t copy_floats =
       prepared == nullptr ? ceil_div(prepared_bytes(n, k_padded), int64_t{4}) : 0;
   const int64_t selection_offset = copy_offset + copy_floats;
@@ -756,7 +756,6 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   selection.offset = selection_offset;
   float* const partial = selection.workspace.data_ptr<float>();
   const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
-  auto* const x_norms = reinterpret_cast<certified::Norms*>(partial + norms_offset);
   if (prepared == nullptr) {
     uint8_t* const copy = reinterpret_cast<uint8_t*>(partial + copy_offset);
     launch_prepare(w, n, k_padded, copy, stream);
@@ -786,22 +785,13 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   pass1_config.dynamicSmemBytes = fg::kPass1SmemBytes;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel, gemm, maps));
 
-  cudaLaunchAttribute norms_attribute{};
-  const cudaLaunchConfig_t norms_config = dependent_launch_config(
-      ceil_div(batch, int64_t{certified::kThreads}), certified::kThreads, stream, norms_attribute);
-  dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
-    C10_CUDA_CHECK(cudaLaunchKernelEx(
-        &norms_config, certified::x_norms_kernel<decltype(split_bound)::value>,
-        static_cast<const float*>(gemm.x_sumsq), static_cast<const float*>(gemm.x_residual_sumsq),
-        static_cast<const int*>(gemm.x_scale_exponent), batch, static_cast<int>(splits),
-        bound.squares_floor, bound.norm_slack, x_norms));
-  });
-
   certified::SelectParams select{};
   select.partial = partial;
   select.split_stride = static_cast<int>(batch * n);
   select.splits = static_cast<int>(splits);
-  select.x_norms = x_norms;
+  select.x_sumsq = gemm.x_sumsq;
+  select.x_residual_sumsq = gemm.x_residual_sumsq;
+  select.x_scale_exponent = gemm.x_scale_exponent;
   static_assert(kPreparedResidualNorm == kPreparedNorm + 1, "a Norms pair");
   select.w_norms = reinterpret_cast<const certified::Norms*>(trailers + kPreparedNorm);
   select.w_norms_stride = 2;  // in Norms: one trailer

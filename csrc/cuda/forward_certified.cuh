@@ -51,8 +51,8 @@
 //  per term lost in the subnormal range; taken as sqrt(sum + K 2^-148) (1 + gamma' + 2^-22) 2^-e,
 //  rounded up. The weight's come from prepare_rows_kernel, one reduction per row (D =
 //  reduction_depth, forward.cu's prepared_norm_constants); x's from pass 1's per-split sums
-//  (D = max(K + S, reduction_depth); x_norms_kernel brings them to one scale and adds them,
-//  rounding up).
+//  (D = max(K + S, reduction_depth); x_row_norms, at the start of the selection, brings them to
+//  one scale and adds them, rounding up).
 // The float32 rescoring (rescore_dots: an FMA chain per thread, then a fixed tree; reduction_depth
 // roundings on any product's path, the bias addition included) errs by at most
 // rho (||x|| ||w|| + |bias|), rho = gamma_depth(2^-24): the rescored z lies within
@@ -86,6 +86,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -98,11 +99,12 @@ namespace cuda {
 namespace certified {
 
 // Splits of pass 1, at most (forward.cu's planner): the selection reads every split's partial of
-// every (row, column), all at once (sum_few_splits), and its workspace (splits x rows x N
-// partials, plus the norms and candidate lists) then stays at or below 8 x rows x N floats, under
-// one [B, O] tensor for pooling windows k >= 9 (docs/input_classes.md). The default shape takes 8
-// anyway (16 tiles x 8 = 128 CTAs). The certified path runs on one workspace slice (rows x N <=
-// forward.cu's kMaxWorkspaceFloats = 2^22), so kMaxSplits x rows x N offsets fit in an int.
+// every (row, column), all at once (column_split_sum), and its workspace (splits x rows x N
+// partials, plus x's split sums and the candidate lists) then stays at or below 8 x rows x N
+// floats, under one [B, O] tensor for pooling windows k >= 9 (docs/input_classes.md). The default
+// shape takes 8 anyway (16 tiles x 8 = 128 CTAs). The certified path runs on one workspace slice
+// (rows x N <= forward.cu's kMaxWorkspaceFloats = 2^22), so kMaxSplits x rows x N offsets fit in
+// an int.
 constexpr int kMaxSplits = 8;
 
 // Candidates kept per row; a row with more is rescored whole (benchmarks/simulate_certified.py,
@@ -147,7 +149,11 @@ struct SelectParams {
   const float* partial;   // [splits, batch, n]
   int split_stride;       // batch * n
   int splits;
-  const Norms* x_norms;   // [batch]: x_norms_kernel's
+  // [splits, batch] each: pass 1's sums of squares of x's scaled rows and of their residuals, and
+  // the scales' exponents (x_row_norms)
+  const float* x_sumsq;
+  const float* x_residual_sumsq;
+  const int* x_scale_exponent;
   const Norms* w_norms;   // the prepared weight's: column n's at w_norms[n * w_norms_stride]
   int64_t w_norms_stride;
   const float* bias;      // [n] or nullptr
@@ -166,13 +172,37 @@ struct SelectParams {
 // us). A chain of S dependent loads per column (the first version's split sums of squares) made
 // the selection latency-bound (~60 us at B = 1024).
 
+// Pass 1's split partials of one (row, column), at index = row * n + col of each split, added in
+// split order with every load issued at once, as sum_few_splits does (loads past the last split
+// re-read it), but indexed in 32 bits (kMaxSplits x rows x N fits, see kMaxSplits) and widened only
+// after a split's offset is added: unsigned 32-bit sums cannot be widened term by term, so the
+// compiler keeps each split's index in one register. From sum_few_splits' pointer (row_partial +
+// col) it kept a 64-bit address per split across the column loop when the code before the loop
+// changed: 8 more registers at 8 splits, 32-48 bytes of spills at the 40-register cap (the x norms
+// computed in this kernel, or none at all). Each load's address also takes 2 instructions, not 4.
+template <int kSplitBound>
+__device__ __forceinline__ float column_split_sum(const SelectParams& p, uint32_t index) {
+  float v[kSplitBound];
+#pragma unroll
+  for (int i = 0; i < kSplitBound; ++i) {
+    const uint32_t offset = static_cast<uint32_t>(min(i, p.splits - 1) * p.split_stride);
+    v[i] = __ldg(p.partial + (index + offset));
+  }
+  float z = v[0];
+#pragma unroll
+  for (int i = 1; i < kSplitBound; ++i) {
+    if (i < p.splits) z += v[i];
+  }
+  return z;
+}
+
 // z~ and its bound E for one column; false when either is not finite or the norms are too large
 // for the analysis.
 template <int kSplitBound>
-__device__ __forceinline__ bool column_interval(const SelectParams& p, const float* row_partial,
+__device__ __forceinline__ bool column_interval(const SelectParams& p, int64_t row_index,
                                                int64_t col, Norms x, Norms w, float& z,
                                                float& e) {
-  z = sum_few_splits<kSplitBound>(row_partial + col, p.split_stride, p.splits);
+  z = column_split_sum<kSplitBound>(p, static_cast<uint32_t>(row_index + col));
   const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
   z += b;
   const float product = __fmul_ru(x.value, w.value);
@@ -224,10 +254,10 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
 // NaN.
 template <int kSplitBound>
 __device__ __forceinline__ bool column_value_interval(const SelectParams& p,
-                                                      const float* row_partial, int64_t col,
+                                                      int64_t row_index, int64_t col,
                                                       Norms x, Norms w, float& lo, float& hi) {
   float z, e;
-  if (!column_interval<kSplitBound>(p, row_partial, col, x, w, z, e)) return false;
+  if (!column_interval<kSplitBound>(p, row_index, col, x, w, z, e)) return false;
   value_interval(z, e, p.scale, lo, hi);
   return isfinite(lo) && isfinite(hi);
 }
@@ -411,48 +441,46 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
   }
 }
 
-// The x rows' norms, once per call, between pass 1 and the selection, from pass 1's per-split
-// sums: each split's sums are in the units of that split's scale 2^e_s, so they are brought to
-// the largest of the row's scales' inverses (the smallest e) by factors 2^(2 (e_min - e_s)) <= 1
-// before they are added, all rounded up (a sum of S terms, outside gamma'); then sqrt(sum + K
-// 2^-148) (1 + gamma' + 2^-22) 2^-e_min, rounded up (see the top). One thread per row.
+// An x row's norms from pass 1's per-split sums, by one warp (lane s: split s), every lane getting
+// the result: each split's sums are in the units of that split's scale 2^e_s, so they are brought
+// to the largest of the row's scales' inverses (the smallest e) by factors 2^(2 (e_min - e_s)) <= 1
+// and added in split order (lane s's term broadcast to the warp), all rounded up (a sum of S terms,
+// outside gamma'); then sqrt(sum + K 2^-148) (1 + gamma' + 2^-22) 2^-e_min, rounded up (see the
+// top). The operations and their order are those of the x-norms kernel this replaced (one thread
+// per row between pass 1 and the selection: 3.1 us at B = 1024 and a launch): the same bits.
 template <int kSplitBound>
-__global__ void __launch_bounds__(kThreads)
-    x_norms_kernel(const float* __restrict__ x_sumsq, const float* __restrict__ x_residual_sumsq,
-                   const int* __restrict__ x_scale_exponent, int64_t batch, int splits,
-                   float squares_floor, float norm_slack, Norms* __restrict__ x_norms) {
-  allow_dependent_launch();
-  wait_for_previous_grid();
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (row >= batch) return;
-  float sums[kSplitBound], residual_sums[kSplitBound];
-  int exponents[kSplitBound];
-#pragma unroll
-  for (int s = 0; s < kSplitBound; ++s) {
-    // Loads past the last split re-read it (clamped, as sum_few_splits does) and are not added.
-    const int64_t offset = (s < splits ? s : splits - 1) * batch + row;
-    sums[s] = __ldg(x_sumsq + offset);
-    residual_sums[s] = __ldg(x_residual_sumsq + offset);
-    exponents[s] = __ldg(x_scale_exponent + offset);
+__device__ __forceinline__ Norms x_row_norms(const SelectParams& p, int64_t row, int lane) {
+  static_assert(kSplitBound <= 32, "one lane per split");
+  const bool mine = lane < p.splits;
+  float squares = 0.f, residual_squares = 0.f;
+  int exponent = INT_MAX;  // no split: never the smallest
+  if (mine) {
+    const int64_t offset = lane * p.batch + row;
+    squares = __ldg(p.x_sumsq + offset);
+    residual_squares = __ldg(p.x_residual_sumsq + offset);
+    exponent = __ldg(p.x_scale_exponent + offset);
   }
-  int smallest = exponents[0];
+  int smallest = exponent;
 #pragma unroll
-  for (int s = 1; s < kSplitBound; ++s) smallest = min(smallest, exponents[s]);
+  for (int mask = 16; mask >= 1; mask /= 2) {
+    smallest = min(smallest, __shfl_xor_sync(0xffffffffu, smallest, mask));
+  }
+  // 2^(e_min - e_s) >= 2^-126 is a normal float; applied twice, each product rounded up.
+  const float factor = mine ? ldexpf(1.f, smallest - exponent) : 0.f;
+  const float term = __fmul_ru(__fmul_ru(squares, factor), factor);
+  const float residual_term = __fmul_ru(__fmul_ru(residual_squares, factor), factor);
   float sum = 0.f, residual_sum = 0.f;
 #pragma unroll
   for (int s = 0; s < kSplitBound; ++s) {
-    if (s >= splits) break;
-    // 2^(e_min - e_s) >= 2^-126 is a normal float; applied twice, each product rounded up.
-    const float factor = ldexpf(1.f, smallest - exponents[s]);
-    sum = __fadd_ru(sum, __fmul_ru(__fmul_ru(sums[s], factor), factor));
-    residual_sum =
-        __fadd_ru(residual_sum, __fmul_ru(__fmul_ru(residual_sums[s], factor), factor));
+    if (s >= p.splits) break;
+    sum = __fadd_ru(sum, __shfl_sync(0xffffffffu, term, s));
+    residual_sum = __fadd_ru(residual_sum, __shfl_sync(0xffffffffu, residual_term, s));
   }
   const float inverse = ldexpf(1.f, -smallest);
-  auto norm = [&](float squares) {
-    return norm_from_squares(squares, squares_floor, norm_slack, inverse);
+  auto norm = [&](float squares_sum) {
+    return norm_from_squares(squares_sum, p.bound.squares_floor, p.bound.norm_slack, inverse);
   };
-  x_norms[row] = Norms{norm(sum), norm(residual_sum)};
+  return Norms{norm(sum), norm(residual_sum)};
 }
 
 // Columns the selection serves: its CTA keeps the row's upper ends in shared memory, 16 KB at this
@@ -464,12 +492,15 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 
 // One CTA per row, with every load it needs in flight together: the first version (a serial chain
 // of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
-// per row with batched loads left too few warps to hide the latency (65 us). Here the CTA computes
-// each column's interval once (its S split partials loaded at once, the norms from
-// prepare_rows_kernel), keeping its upper end in shared memory, and takes the block max of the
-// lower ends; the candidates are written in column order (ballots and the warps' counts), so the
-// selection is deterministic. 6 CTAs per SM: 40 registers, no spill (ptxas would take 48, 5 per
-// SM; 8 per SM needs 32 and spilled 92 bytes: 12.9 -> 16.9 us at B = 1024).
+// per row with batched loads left too few warps to hide the latency (65 us). Here warp 0 first
+// takes the row's x norms (x_row_norms; a kernel of their own cost a launch), passed on through
+// shared memory before the column loop, so that none of that code's registers are live in it. Then
+// the CTA computes each column's interval once (its S split partials loaded at once, the weight's
+// norms from prepare_rows_kernel), keeping its upper end in shared memory, and takes the block max
+// of the lower ends; the candidates are written in column order (ballots and the warps' counts),
+// so the selection is deterministic. 6 CTAs per SM: 40 registers, no spill (ptxas would take 48, 5
+// per SM; 8 per SM needs 32 and spilled 92 bytes: 12.9 -> 16.9 us at B = 1024). The square roots'
+// slow path (arguments below 2^-101: zero and tiny rows; Inf, NaN) is a call, in warp 0 only.
 template <int kSplitBound>
 __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const SelectParams p) {
   wait_for_previous_grid();
@@ -480,15 +511,21 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
-  const float* row_partial = p.partial + row * p.n;
-  const Norms x_norms = load_norms(p.x_norms + row);
+  const int64_t row_index = row * p.n;  // of the row's first partial in each split
+  __shared__ Norms s_x_norms;
+  if (warp == 0) {
+    const Norms norms = x_row_norms<kSplitBound>(p, row, lane);
+    if (lane == 0) s_x_norms = norms;
+  }
+  __syncthreads();
+  const Norms x_norms = s_x_norms;
 
   float best_lower = -INFINITY;
   bool whole_row = false;
   for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
     float lo = -INFINITY, hi = INFINITY;
     const Norms w_norms = load_norms(p.w_norms + col * p.w_norms_stride);
-    whole_row |= !column_value_interval<kSplitBound>(p, row_partial, col, x_norms, w_norms, lo, hi);
+    whole_row |= !column_value_interval<kSplitBound>(p, row_index, col, x_norms, w_norms, lo, hi);
     best_lower = fmaxf(best_lower, lo);
     s_upper[col] = hi;
   }
