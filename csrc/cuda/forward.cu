@@ -70,12 +70,14 @@ constexpr int64_t kSimtMaxBatch = 32;
 // The certified path (see the top) from this batch on: kCertifiedMinBatch rows when it makes the
 // weight's fp16 copy itself, kCertifiedPreparedMinBatch when the caller passes one
 // (prepare_weight). H200 medians on the benchmarks' data (a folded nn.Linear, x ~ U(0, 1);
-// profile_forward.py, 2026-11-30 04:56-04:57 UTC), certified (copy made per call / prepared) against
-// 3xTF32: B = 256 46.8 / 39.2 against 31.9 us, 384 50.4 / 42.3 against 42.7, 512 52.0 / 42.7
-// against 48.9, 640 55.4 / 45.9 against 61.2, 768 57.6 / 48.7 against 71.6. Pass 1 takes 20-24
-// us from 128 to 768 rows (too few 128-row tiles to fill the GPU without splits), and 3xTF32 steps
-// with its tiles; the switches sit at the first tile count from which certified wins at every
-// measured batch (4 tiles + 1 row and 3 tiles + 1 row), where the policy test checks them.
+// profile_forward.py, 2026-11-30 05:16 UTC, commit 88c45a5), certified (copy made per call /
+// prepared) against 3xTF32: B = 384 49.5 / 38.9 against 42.8 us, 448 48.0 / 39.0 against 48.1,
+// 512 50.1 / 40.0 against 48.6, 544 54.0 / 43.9 against 66.4, 576 51.5 / 42.0 against 67.7, 640
+// 53.0 / 42.9 against 61.2, 1024 63.4 / 55.0 against 87.2, 4096 158.0 / 148.7 against 326.8 (and
+// at 04:56 UTC, B = 256: 46.8 / 39.2 against 31.9). Pass 1 takes 20-26 us from 384 to 1024 rows
+// (too few 128-row tiles to fill the GPU without splits), and 3xTF32 steps with its tiles; the
+// switches sit at the first tile count from which certified wins at every measured batch (4 tiles
+// + 1 row and 3 tiles + 1 row), where the policy test checks them.
 constexpr int64_t kCertifiedMinBatch = 4 * fg::kPass1BlockM + 1;
 constexpr int64_t kCertifiedPreparedMinBatch = 3 * fg::kPass1BlockM + 1;
 
