@@ -16,6 +16,8 @@
 //   then N trailers of 4 float32: an upper bound on ||weight[n]||_2, one on the norm of the copy's
 //     residual ||weight[n] - copy[n] 2^-e_n||_2, 2^-e_n, and 0.
 // Bytes, not float16: the trailers' float32 bits are no fp16 values (some would read as NaN).
+// The layout is this build's: nothing in the buffer names it, so one saved by another version
+// (the column order within a block changed on 2026-11-30) would be read wrongly without an error.
 // The CPU forward does not use it (it is validated and ignored there), nor do the CUDA paths other
 // than the certified one; every device makes the same layout.
 //
@@ -45,11 +47,11 @@ constexpr int64_t prepared_copy_halves(int64_t in_features) { return (in_feature
 // Pass 1 reads x in float32 from a 128-byte-swizzled tile and converts it into the m16n8k16 A
 // fragment, whose lane (g, t) holds K positions 2t, 2t+1, 2t+8 and 2t+9 of each 16. Taken in
 // column order, lanes g and g ^ 1 hit the same banks (the swizzle XORs the 16-byte chunk with the
-// row's g), and 37% of those loads' wavefronts were conflicts (Nsight Compute, H200). K is summed
-// in any order, so the weight's copy takes the order that makes them conflict-free: in a block of
-// 64 columns, group bits (g3 g2 g1 g0) move to (g3 g1 g0 g2), so that lanes t < 2 and t >= 2 read
-// chunks 4 apart, which no XOR with g < 4 or g >= 4 can make meet (forward_gemm_sm90.cuh's
-// certified_pass1_kernel, x_offset).
+// row's g), and 37% of those loads' wavefronts were conflicts (Nsight Compute, H200). The bound
+// does not depend on the order of the products along K, so the weight's copy takes the order that
+// makes them conflict-free: in a block of 64 columns, group bits (g3 g2 g1 g0) move to (g3 g1 g0
+// g2), so that lanes t < 2 and t >= 2 read chunks 4 apart, which no XOR with g < 4 or g >= 4 can
+// make meet (forward_gemm_sm90.cuh's certified_pass1_kernel, x_offset).
 constexpr int64_t prepared_copy_group(int64_t group) {
   const int64_t g = group & 15;
   return (group & ~int64_t{15}) | (g & 8) | ((g & 3) << 1) | ((g >> 2) & 1);

@@ -147,13 +147,13 @@ __device__ __forceinline__ void wgmma_wait_all() {
 __device__ __forceinline__ void wgmma_wait_one() {
   asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 }
-// Generic-proxy writes to shared memory (st.shared, cp.async) become visible to the async proxy
-// that wgmma reads through only after this fence (and a barrier with the reading threads).
 // Named barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads').
 __device__ __forceinline__ void consumer_barrier() {
   asm volatile("bar.sync 1, %0;" ::"n"(32 * kWgConsumerWarps) : "memory");
 }
 
+// Generic-proxy writes to shared memory (st.shared, cp.async) become visible to the async proxy
+// that wgmma reads through only after this fence (and a barrier with the reading threads).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
