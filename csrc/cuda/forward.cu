@@ -582,6 +582,17 @@ float round_up_to_float(double v) {
   return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
 }
 
+// gamma_m(u) = m u / (1 - m u): how far m roundings of unit roundoff u can move a result.
+double gamma(double terms, double u) { return terms * u / (1.0 - terms * u); }
+
+// A norm bound's constants (forward_certified.cuh's top) for sums of squares of k_padded terms at
+// most `depth` roundings deep: the floor K 2^-148 for the terms lost below the normal range, and
+// the slack 1 + gamma_depth(2^-24) + 2^-22, both rounded up.
+void norm_constants(int64_t k_padded, double depth, float& squares_floor, float& norm_slack) {
+  squares_floor = round_up_to_float(static_cast<double>(k_padded) * 0x1p-148);
+  norm_slack = round_up_to_float(1.0 + gamma(depth, 0x1p-24) + 0x1p-22);
+}
+
 // The bound's constants (see the certified section), computed in double and rounded up.
 // chain_products: products a tensor-core accumulation chain sums before pass 1 adds it into
 // float32 registers (a whole split when it never flushes).
@@ -589,7 +600,6 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain
   const double k = static_cast<double>(k_padded);
   const double s = static_cast<double>(splits);
   const double chain = static_cast<double>(chain_products);
-  auto gamma = [](double terms, double u) { return terms * u / (1.0 - terms * u); };
   const auto up = round_up_to_float;
   const double depth = static_cast<double>(certified::reduction_depth(k_padded / 4));
   const double squares_depth = std::max(k + s, depth);
@@ -602,8 +612,8 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain
   b.accumulation = up(g);
   b.bias = up(g_sum);
   b.absolute = up((1.0 + g) * s * 0x1p-149);
-  b.squares_floor = up(k * 0x1p-148);
-  b.norm_slack = up(1.0 + gamma(squares_depth, 0x1p-24) + 0x1p-22);
+  // x's norms: pass 1's per-split sums, then the selection's sum over the splits.
+  norm_constants(k_padded, squares_depth, b.squares_floor, b.norm_slack);
   b.rescore = up(gamma(depth, 0x1p-24));
   return b;
 }
@@ -687,14 +697,6 @@ void dispatch_split_bound(int64_t splits, F&& f) {
   }
 }
 
-// The prepared weight's norm constants (prepared_weight.h): its sums of squares are one
-// reduction per row (reduction_depth), whatever pass 1's splits.
-void prepared_norm_constants(int64_t k_padded, float& squares_floor, float& norm_slack) {
-  const double depth = static_cast<double>(certified::reduction_depth(k_padded / 4));
-  squares_floor = round_up_to_float(static_cast<double>(k_padded) * 0x1p-148);
-  norm_slack = round_up_to_float(1.0 + depth * 0x1p-24 / (1.0 - depth * 0x1p-24) + 0x1p-22);
-}
-
 // Writes the prepared weight of w's n rows (prepared_bytes(n, k_padded) bytes at `prepared`,
 // 16-byte aligned).
 void launch_prepare(const Operand& w, int64_t n, int64_t k_padded, uint8_t* prepared,
@@ -710,7 +712,9 @@ void launch_prepare(const Operand& w, int64_t n, int64_t k_padded, uint8_t* prep
   params.copy_halves = prepared_copy_halves(k_padded);
   params.copy = reinterpret_cast<__half*>(prepared);
   params.trailers = reinterpret_cast<float4*>(prepared + prepared_copy_bytes(n, k_padded));
-  prepared_norm_constants(k_padded, params.squares_floor, params.norm_slack);
+  // The weight's norms: one reduction per row (reduction_depth), whatever pass 1's splits.
+  norm_constants(k_padded, static_cast<double>(certified::reduction_depth(k_padded / 4)),
+                 params.squares_floor, params.norm_slack);
   const dim3 grid(static_cast<unsigned>(n));
   if (params.k4 <= int64_t{certified::kThreads} * certified::kPrepareCachedPieces) {
     certified::prepare_rows_kernel<true><<<grid, certified::kThreads, 0, stream>>>(params);
