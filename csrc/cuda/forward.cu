@@ -672,8 +672,9 @@ CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t columns,
   return map;
 }
 
-// The selection's result: [batch] candidate counts (-1: every column), then [batch,
-// kMaxCandidates] candidate columns, as ints at the end of the call's float workspace.
+// The selection's result: [batch] candidate counts (-1: every column), [batch, kMaxCandidates]
+// candidate columns, then the rescoring's order ([batch] rows, [batch] counts, 2 ends), as ints
+// at the end of the call's float workspace.
 struct Selection {
   at::Tensor workspace;
   int64_t offset;  // floats before the ints
@@ -754,7 +755,8 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   const int64_t copy_floats =
       prepared == nullptr ? ceil_div(prepared_bytes(n, k_padded), int64_t{4}) : 0;
   const int64_t selection_offset = copy_offset + copy_floats;
-  const int64_t selection_ints = batch * (1 + certified::kMaxCandidates);
+  // count, candidates, the rescoring's order (rows, counts) and its two ends.
+  const int64_t selection_ints = batch * (3 + certified::kMaxCandidates) + 2;
   static_assert(sizeof(int) == sizeof(float) && 2 * sizeof(__half) == sizeof(float),
                 "the ints and the fp16 copy share the float allocation");
   Selection selection;
@@ -777,6 +779,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   gemm.x_sumsq = partial + sums_offset;
   gemm.x_residual_sumsq = gemm.x_sumsq + splits * batch;
   gemm.x_scale_exponent = reinterpret_cast<int*>(gemm.x_residual_sumsq + splits * batch);
+  gemm.zeroed_counters = selection.data() + batch * (3 + certified::kMaxCandidates);
   // The copy's whole rows: its last block of 64 holds columns below k_padded at positions above
   // it (prepared_copy_group), and zeros for the rest; x's map zero-fills past k_padded.
   const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, fg::kPass1BlockM),
@@ -808,6 +811,9 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   select.bound = bound;
   select.count = selection.data();
   select.candidates = select.count + batch;
+  select.rescore_rows = select.candidates + batch * certified::kMaxCandidates;
+  select.rescore_counts = select.rescore_rows + batch;
+  select.rescore_ends = select.rescore_counts + batch;
   cudaLaunchAttribute attribute{};
   cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, attribute);
@@ -833,8 +839,9 @@ void certified_rescore(const Operand& x, const Operand& w, const float* bias, fl
   rescore.scale = scale;
   rescore.batch = batch;
   rescore.n = n;
-  rescore.count = selection.data();
-  rescore.candidates = rescore.count + batch;
+  rescore.candidates = selection.data() + batch;
+  rescore.rescore_rows = rescore.candidates + batch * certified::kMaxCandidates;
+  rescore.rescore_counts = rescore.rescore_rows + batch;
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, attribute);

@@ -163,7 +163,22 @@ struct SelectParams {
   Bound bound;
   int* count;             // [batch]: candidates, or -1: rescore every column
   int* candidates;        // [batch, kMaxCandidates]
+  // The rescoring's order (see kRescoreHeavyCandidates): rescore_rows[i] and rescore_counts[i]
+  // for rescoring CTA i; rescore_ends[0] heavy rows taken from the front, rescore_ends[1] light
+  // ones from the back (zeroed by pass 1).
+  int* rescore_rows;      // [batch]
+  int* rescore_counts;    // [batch]
+  int* rescore_ends;      // [2]
 };
+
+// The rescoring (one CTA per row) takes the rows with at least this many candidates, or whole
+// rows, first. A row's CTA reads its x row once per group of kGroup candidates and one weight row
+// per candidate, each CTA at a rate set by its loads in flight (latency-bound, not by the SM's
+// share: NOTES), so a row with 5-7 candidates takes 3-4 times as long as one with 1 (most rows).
+// Launched in row order, such a row could start in the last wave and finish alone; heavy rows
+// first, the last wave holds only light rows (longest-first scheduling, in two classes: the
+// selection appends heavy rows at the front of the order and light ones at the back).
+constexpr int kRescoreHeavyCandidates = 2;
 
 // The kernels below that sum pass 1's splits are compiled for a bound kSplitBound on the split
 // count (1, 2, 4 or kMaxSplits, the smallest at or above it: forward.cu's dispatch_split_bound), so
@@ -553,7 +568,17 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
       __syncthreads();  // s_warp_count is rewritten by the next step
     }
   }
-  if (threadIdx.x == 0) p.count[row] = whole_row || count > kMaxCandidates ? -1 : count;
+  if (threadIdx.x == 0) {
+    const int result = whole_row || count > kMaxCandidates ? -1 : count;
+    p.count[row] = result;
+    // Which CTA rescores the row does not change its result (rescore_kernel's arithmetic is per
+    // row), so the order's dependence on the CTAs' timing leaves the outputs deterministic.
+    const bool heavy = result < 0 || result >= kRescoreHeavyCandidates;
+    const int64_t slot = heavy ? atomicAdd(p.rescore_ends, 1)
+                               : p.batch - 1 - atomicAdd(p.rescore_ends + 1, 1);
+    p.rescore_rows[slot] = static_cast<int>(row);
+    p.rescore_counts[slot] = result;
+  }
 }
 
 struct RescoreParams {
@@ -566,8 +591,9 @@ struct RescoreParams {
   float scale;
   int64_t batch;
   int64_t n;
-  const int* count;
   const int* candidates;
+  const int* rescore_rows;    // SelectParams'
+  const int* rescore_counts;
 };
 
 // Columns rescored together: one read of x feeds up to kGroup dot products, and that many weight
@@ -626,7 +652,8 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
   }
 }
 
-// One CTA per row: the candidates' float32 z, then the arg-max with torch.max's rule. Each CTA
+// One CTA per row, in the selection's order (heavy rows first, kRescoreHeavyCandidates): the
+// candidates' float32 z, then the arg-max with torch.max's rule. Each CTA
 // waits on L2 most of the time, so residency decides the speed: 64 registers for 4 CTAs per SM
 // (80 and 3 before: rescoring 40.6 -> 34.5 us at B = 1024, 123.7 -> 106.9 at 4096 on the H200).
 // ptxas -v reports 16 bytes of spill stores and 56 of loads at that cap; Nsight Compute counted
@@ -637,9 +664,9 @@ __global__ void __launch_bounds__(kThreads, 4)
                    out_t* __restrict__ preactivation) {
   wait_for_previous_grid();  // the selection's writes
   __shared__ float s_sum[kGroup][kWarps];
-  const int64_t row = blockIdx.x;
+  const int64_t row = p.rescore_rows[blockIdx.x];
+  const int count = p.rescore_counts[blockIdx.x];
   const float4* x_row = reinterpret_cast<const float4*>(p.x + row * p.ldx);
-  const int count = p.count[row];
   const int64_t columns = count < 0 ? p.n : count;
   Candidate best{-INFINITY, p.n, 0.f};
   for (int64_t j0 = 0; j0 < columns; j0 += kGroup) {

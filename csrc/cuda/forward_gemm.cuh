@@ -128,6 +128,9 @@ struct GemmParams {
   float* x_sumsq;
   float* x_residual_sumsq;
   int* x_scale_exponent;
+  // certified_pass1_kernel: two ints it sets to 0 (the selection's rescore_ends; pass 1 runs before
+  // the selection in every call, so no memset of its own is needed).
+  int* zeroed_counters;
 };
 
 // ------------------------------------------------------------------------------------------------

@@ -592,6 +592,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // The weight's fp16 copy may be the previous kernel's output (this one is its programmatic
   // dependent).
   wait_for_previous_grid();
+  if (p.zeroed_counters != nullptr && tid < 2 && blockIdx.x == 0 && blockIdx.y == 0 &&
+      blockIdx.z == 0) {
+    p.zeroed_counters[tid] = 0;
+  }
 
   if (warp < kWgProducerThreads / 32) {
     set_max_registers<false, kPass1ProducerRegisters>();
