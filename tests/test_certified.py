@@ -250,6 +250,35 @@ def test_rows_with_inf_or_nan(pooled, certified, make_inputs, check_forward):
     assert bool((counts == -1).all())
 
 
+def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check_forward):
+    # The rescoring takes the rows in the selection's order (rows with 2+ candidates and whole
+    # rows first: kRescoreHeavyCandidates in forward_certified.cuh), not in row order: rows with
+    # one, several and every column as candidates, interleaved at random, each get their own
+    # answer. Columns 7, 20 and 33 are copies that only feature 0 separates from the rest: rows
+    # with a large x[:, 0] tie between them (3+ candidates), the others select as usual, and rows
+    # with a NaN are rescored whole.
+    batch, in_features, pooled = 777, 1024, 64
+    x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
+    weight[:, 0] = 0
+    weight[20] = weight[7]
+    weight[33] = weight[7]
+    weight[[7, 20, 33], 0] = 1.0
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    kind = torch.randint(0, 5, (batch,), device=DEVICE, generator=gen)
+    tied = kind == 0
+    whole = kind == 1
+    x[:, 0] = torch.where(tied, 50.0, 0.0)
+    x[whole, 3] = float("nan")
+    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    assert bool((argmax[tied] == 7).all())
+    assert bool((counts[tied] >= 3).all())
+    assert bool((counts[whole] == -1).all())
+    light = ~tied & ~whole
+    assert bool((counts[light] >= 1).all())
+    assert int((counts[light] == 1).sum()) > 0
+
+
 # kCertifiedMinBatch = 513 without a prepared weight, kCertifiedPreparedMinBatch = 385 with one.
 @pytest.mark.parametrize("prepared,batch", [(False, 512), (False, 513), (True, 384), (True, 385)])
 def test_the_default_takes_the_certified_path_from_its_batch(prepared, batch, certified,
