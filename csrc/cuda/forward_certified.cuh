@@ -618,10 +618,11 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
     dots[g] = 0.f;
   }
   // Unrolled so that each thread has several iterations' loads in flight: a CTA rescoring one
-  // row is latency-bound otherwise (~8 dependent round trips to L2 per group at K = 8192). Two,
-  // not four: the registers this saves let 4 CTAs share an SM instead of 3 (rescore_kernel),
-  // more loads in flight per SM in all.
-#pragma unroll 2
+  // row is latency-bound otherwise (~8 dependent round trips to L2 per group at K = 8192). Two
+  // for groups of 3-4, four for 1-2 (the rows with one candidate, most of them, end the kernel):
+  // within the 64 registers that let 4 CTAs share an SM (rescore_kernel; four for every group
+  // needed 80, 3 CTAs per SM).
+#pragma unroll(kColumns <= 2 ? 4 : 2)
   for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
     const float4 a = __ldg(x_row + i);
 #pragma unroll
