@@ -71,16 +71,16 @@ constexpr int64_t kSimtMaxBatch = 32;
 // weight's fp16 copy itself, kCertifiedPreparedMinBatch when the caller passes one
 // (prepare_weight). H200 medians on the benchmarks' data (a folded nn.Linear, x ~ U(0, 1);
 // profile_forward.py, 2026-11-30 06:45 UTC, commit bd94239), certified (copy made per call /
-// prepared) against 3xTF32: B = 256 46.1 / 36.3 against 31.5 us, 320 45.6 / 35.9 against 42.0,
-// 384 49.4 / 39.7 against 42.6, 448 48.3 / 38.7 against 47.9, 512 50.2 / 40.5 against 48.7, 544
-// 54.1 / 44.5 against 66.2; with a prepared weight (a second call, 06:45-06:47 UTC): 257 39.9 against 38.8 (own
-// times 33.0 against 36.4: a tie within the medians' run-to-run spread, 36.3-38.4 at 256), 288
-// 37.3 against 41.2, 319 36.7 against 42.3. At 05:16 UTC (commit 88c45a5): 576 51.5 / 42.0
-// against 67.7, 640 53.0 / 42.9 against 61.2, 1024 63.4 / 55.0 against 87.2, 4096 158.0 / 148.7
-// against 326.8. Pass 1 takes 20-26 us from 256 to 1024 rows (too few 128-row tiles to fill the
-// GPU without splits), and 3xTF32 steps with its 128-row tiles (at 257 and 513); the switches sit
-// where certified wins at every measured batch from there on: the fifth tile's first row without
-// a prepared weight, 288 rows with one.
+// prepared) against 3xTF32: B = 256 46.1 / 36.3 against 31.5 us, 320 45.6 / 35.9 against 42.0, 384
+// 49.4 / 39.7 against 42.6, 448 48.3 / 38.7 against 47.9, 512 50.2 / 40.5 against 48.7, 544 54.1 /
+// 44.5 against 66.2; with a prepared weight (a second call, 06:45-06:47 UTC): 257 39.9 against 38.8
+// (own times 33.0 against 36.4: a tie within the medians' run-to-run spread, 36.3-38.4 at 256), 288
+// 37.3 against 41.2, 319 36.7 against 42.3. At 05:16 UTC (commit 88c45a5): 576 51.5 / 42.0 against
+// 67.7, 640 53.0 / 42.9 against 61.2, 1024 63.4 / 55.0 against 87.2, 4096 158.0 / 148.7 against
+// 326.8. Pass 1 takes 20-26 us from 256 to 1024 rows (too few 128-row tiles to fill the GPU without
+// splits), and 3xTF32 steps with its 128-row tiles (at 257 and 513); the switches sit where
+// certified wins at every measured batch from there on: the fifth tile's first row without a
+// prepared weight, 288 rows with one.
 constexpr int64_t kCertifiedMinBatch = 4 * fg::kPass1BlockM + 1;
 constexpr int64_t kCertifiedPreparedMinBatch = 288;
 
