@@ -758,14 +758,16 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   const int64_t copy_floats =
       prepared == nullptr ? ceil_div(prepared_bytes(n, k_padded), int64_t{4}) : 0;
   const int64_t selection_offset = copy_offset + copy_floats;
-  // count, candidates, the rescoring's order (rows, counts) and its two ends.
-  const int64_t selection_ints = batch * (3 + certified::kMaxCandidates) + 2;
+  // count, candidates, the rescoring's order (rows, counts), then its two ends.
+  const int64_t rescore_ends_index = batch * (3 + certified::kMaxCandidates);
+  const int64_t selection_ints = rescore_ends_index + 2;
   static_assert(sizeof(int) == sizeof(float) && 2 * sizeof(__half) == sizeof(float),
                 "the ints and the fp16 copy share the float allocation");
   Selection selection;
   selection.workspace = at::empty({selection_offset + selection_ints}, options.dtype(at::kFloat));
   selection.offset = selection_offset;
   float* const partial = selection.workspace.data_ptr<float>();
+  int* const rescore_ends = selection.data() + rescore_ends_index;
   const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
   if (prepared == nullptr) {
     uint8_t* const copy = reinterpret_cast<uint8_t*>(partial + copy_offset);
@@ -782,7 +784,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   gemm.x_sumsq = partial + sums_offset;
   gemm.x_residual_sumsq = gemm.x_sumsq + splits * batch;
   gemm.x_scale_exponent = reinterpret_cast<int*>(gemm.x_residual_sumsq + splits * batch);
-  gemm.zeroed_counters = selection.data() + batch * (3 + certified::kMaxCandidates);
+  gemm.zeroed_counters = rescore_ends;
   // The copy's whole rows: its last block of 64 holds columns below k_padded at positions above
   // it (prepared_copy_group), and zeros for the rest; x's map zero-fills past k_padded.
   const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, fg::kPass1BlockM),
@@ -816,7 +818,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   select.candidates = select.count + batch;
   select.rescore_rows = select.candidates + batch * certified::kMaxCandidates;
   select.rescore_counts = select.rescore_rows + batch;
-  select.rescore_ends = select.rescore_counts + batch;
+  select.rescore_ends = rescore_ends;
   cudaLaunchAttribute attribute{};
   cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, attribute);

@@ -174,10 +174,11 @@ struct SelectParams {
 // The rescoring (one CTA per row) takes the rows with at least this many candidates, or whole
 // rows, first. A row's CTA reads its x row once per group of kGroup candidates and one weight row
 // per candidate, each CTA at a rate set by its loads in flight (latency-bound, not by the SM's
-// share: NOTES), so a row with 5-7 candidates takes 3-4 times as long as one with 1 (most rows).
-// Launched in row order, such a row could start in the last wave and finish alone; heavy rows
-// first, the last wave holds only light rows (longest-first scheduling, in two classes: the
-// selection appends heavy rows at the front of the order and light ones at the back).
+// share: NOTES), so a row with 5-7 candidates reads 3.5-4.5 times the bytes of one with 1 (most
+// rows) at about the same rate. Launched in row order, such a row could start in the last wave
+// and finish alone; heavy rows first, the last wave holds only light rows (longest-first
+// scheduling in two classes: the selection appends heavy rows at the front of the order and light
+// ones at the back). Rescoring 18.0 -> 15.0 us at B = 1024 on the H200 (NOTES).
 constexpr int kRescoreHeavyCandidates = 2;
 
 // The kernels below that sum pass 1's splits are compiled for a bound kSplitBound on the split
@@ -654,11 +655,11 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
 }
 
 // One CTA per row, in the selection's order (heavy rows first, kRescoreHeavyCandidates): the
-// candidates' float32 z, then the arg-max with torch.max's rule. Each CTA
-// waits on L2 most of the time, so residency decides the speed: 64 registers for 4 CTAs per SM
-// (80 and 3 before: rescoring 40.6 -> 34.5 us at B = 1024, 123.7 -> 106.9 at 4096 on the H200).
-// ptxas -v reports 16 bytes of spill stores and 56 of loads at that cap; Nsight Compute counted
-// 75 K local-memory requests at B = 1024, ~0.3 per thread, so none sits in the K loop.
+// candidates' float32 z, then the arg-max with torch.max's rule. Each CTA waits on L2 most of the
+// time, so residency decides the speed: 64 registers for 4 CTAs per SM (80 and 3 before: rescoring
+// 40.6 -> 34.5 us at B = 1024, 123.7 -> 106.9 at 4096 on the H200). ptxas -v reports 16 bytes of
+// spill stores and 56 of loads at that cap; Nsight Compute counted 75 K local-memory requests at B
+// = 1024, ~0.3 per thread, so none sits in the K loop.
 template <typename out_t>
 __global__ void __launch_bounds__(kThreads, 4)
     rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
