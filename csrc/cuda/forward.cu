@@ -675,13 +675,21 @@ CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t columns,
   return map;
 }
 
-// The selection's result: [batch] candidate counts (-1: every column), [batch, kMaxCandidates]
-// candidate columns, then the rescoring's order ([batch] rows, [batch] counts, 2 ends), as ints
-// at the end of the call's float workspace.
+// The selection's result, as ints at the end of the call's float workspace: [batch] candidate
+// counts (-1: every column), [batch, kMaxCandidates] candidate columns, then the rescoring's order
+// ([batch] rows, [batch] counts, its 2 ends).
 struct Selection {
   at::Tensor workspace;
   int64_t offset;  // floats before the ints
-  int* data() const { return reinterpret_cast<int*>(workspace.mutable_data_ptr<float>() + offset); }
+  int64_t batch;
+  static int64_t ints(int64_t batch) { return batch * (3 + certified::kMaxCandidates) + 2; }
+  int* count() const {
+    return reinterpret_cast<int*>(workspace.mutable_data_ptr<float>() + offset);
+  }
+  int* candidates() const { return count() + batch; }
+  int* rescore_rows() const { return candidates() + batch * certified::kMaxCandidates; }
+  int* rescore_counts() const { return rescore_rows() + batch; }
+  int* rescore_ends() const { return rescore_counts() + batch; }
 };
 
 // Calls f(std::integral_constant<int, bound>) with the smallest power of two bound at or above
@@ -758,16 +766,14 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   const int64_t copy_floats =
       prepared == nullptr ? ceil_div(prepared_bytes(n, k_padded), int64_t{4}) : 0;
   const int64_t selection_offset = copy_offset + copy_floats;
-  // count, candidates, the rescoring's order (rows, counts), then its two ends.
-  const int64_t rescore_ends_index = batch * (3 + certified::kMaxCandidates);
-  const int64_t selection_ints = rescore_ends_index + 2;
   static_assert(sizeof(int) == sizeof(float) && 2 * sizeof(__half) == sizeof(float),
                 "the ints and the fp16 copy share the float allocation");
   Selection selection;
-  selection.workspace = at::empty({selection_offset + selection_ints}, options.dtype(at::kFloat));
+  selection.workspace =
+      at::empty({selection_offset + Selection::ints(batch)}, options.dtype(at::kFloat));
   selection.offset = selection_offset;
+  selection.batch = batch;
   float* const partial = selection.workspace.data_ptr<float>();
-  int* const rescore_ends = selection.data() + rescore_ends_index;
   const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
   if (prepared == nullptr) {
     uint8_t* const copy = reinterpret_cast<uint8_t*>(partial + copy_offset);
@@ -784,7 +790,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   gemm.x_sumsq = partial + sums_offset;
   gemm.x_residual_sumsq = gemm.x_sumsq + splits * batch;
   gemm.x_scale_exponent = reinterpret_cast<int*>(gemm.x_residual_sumsq + splits * batch);
-  gemm.zeroed_counters = rescore_ends;
+  gemm.zeroed_counters = selection.rescore_ends();
   // The copy's whole rows: its last block of 64 holds columns below k_padded at positions above
   // it (prepared_copy_group), and zeros for the rest; x's map zero-fills past k_padded.
   const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, fg::kPass1BlockM),
@@ -814,11 +820,11 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   select.batch = batch;
   select.n = n;
   select.bound = bound;
-  select.count = selection.data();
-  select.candidates = select.count + batch;
-  select.rescore_rows = select.candidates + batch * certified::kMaxCandidates;
-  select.rescore_counts = select.rescore_rows + batch;
-  select.rescore_ends = rescore_ends;
+  select.count = selection.count();
+  select.candidates = selection.candidates();
+  select.rescore_rows = selection.rescore_rows();
+  select.rescore_counts = selection.rescore_counts();
+  select.rescore_ends = selection.rescore_ends();
   cudaLaunchAttribute attribute{};
   cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, attribute);
@@ -844,9 +850,9 @@ void certified_rescore(const Operand& x, const Operand& w, const float* bias, fl
   rescore.scale = scale;
   rescore.batch = batch;
   rescore.n = n;
-  rescore.candidates = selection.data() + batch;
-  rescore.rescore_rows = rescore.candidates + batch * certified::kMaxCandidates;
-  rescore.rescore_counts = rescore.rescore_rows + batch;
+  rescore.candidates = selection.candidates();
+  rescore.rescore_rows = selection.rescore_rows();
+  rescore.rescore_counts = selection.rescore_counts();
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, attribute);

@@ -50,7 +50,7 @@
 //  nearest, no flush, at most D deep: relative error below gamma' = gamma_D(2^-24), plus 2^-149
 //  per term lost in the subnormal range; taken as sqrt(sum + K 2^-148) (1 + gamma' + 2^-22) 2^-e,
 //  rounded up. The weight's come from prepare_rows_kernel, one reduction per row (D =
-//  reduction_depth, forward.cu's prepared_norm_constants); x's from pass 1's per-split sums
+//  reduction_depth, forward.cu's norm_constants); x's from pass 1's per-split sums
 //  (D = max(K + S, reduction_depth); x_row_norms, at the start of the selection, brings them to
 //  one scale and adds them, rounding up).
 // The float32 rescoring (rescore_dots: an FMA chain per thread, then a fixed tree; reduction_depth
@@ -368,7 +368,7 @@ struct PrepareParams {
   int64_t copy_halves;    // prepared_copy_halves(k_padded), a multiple of 64
   __half* copy;           // [n, copy_halves] (prepared_weight.h)
   float4* trailers;       // [n]
-  float squares_floor;    // prepared_norm_constants
+  float squares_floor;    // forward.cu's norm_constants
   float norm_slack;
 };
 
