@@ -300,8 +300,9 @@ def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs,
 TC_SHAPES = [(33, 5, 7), (100, 257, 130), (1000, 4099, 513), (129, 32, 129), (1024, 8192, 512)]
 
 
-# "default": what the op picks (on sm_90a the certified path from 641 rows); "3xtf32": the 3xTF32
-# GEMM at every batch (FUSED_POOL_GELU_CERTIFIED=0); "mma_sync": the portable kernel.
+# "default": what the op picks (on sm_90a the certified path from 513 rows: these tests pass no
+# prepared weight); "3xtf32": the 3xTF32 GEMM at every batch (FUSED_POOL_GELU_CERTIFIED=0);
+# "mma_sync": the portable kernel.
 PATH_SWITCHES = {
     "default": {},
     "3xtf32": {"FUSED_POOL_GELU_CERTIFIED": "0"},
