@@ -827,7 +827,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   select.rescore_ends = selection.rescore_ends();
   cudaLaunchAttribute attribute{};
   cudaLaunchConfig_t config =
-      dependent_launch_config(batch, certified::kThreads, stream, attribute);
+      dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
   config.dynamicSmemBytes = certified::select_smem_bytes(n);
   dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
     C10_CUDA_CHECK(cudaLaunchKernelEx(

@@ -278,7 +278,8 @@ __device__ __forceinline__ bool column_value_interval(const SelectParams& p,
   return isfinite(lo) && isfinite(hi);
 }
 
-// Block-wide max (and OR of a flag) over kThreads threads; every thread gets the result.
+// Block-wide max (and OR of a flag) over kBlockWarps warps; every thread gets the result.
+template <int kBlockWarps = kWarps>
 __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, int* s_flag) {
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -293,7 +294,7 @@ __device__ __forceinline__ float block_max(float v, bool& flag, float* s_value, 
   v = s_value[0];
   flag = s_flag[0];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) {
+  for (int w = 1; w < kBlockWarps; ++w) {
     v = fmaxf(v, s_value[w]);
     flag = flag || s_flag[w];
   }
@@ -506,6 +507,15 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
   return static_cast<int>(n * sizeof(float));
 }
 
+// Threads of a selection CTA (one row): 128, 4 columns each at N = 512, 12 CTAs per SM at 40
+// registers. Against 256 threads at 6 per SM, the per-CTA code (the x norms, the block max, the
+// candidate slots) is paid once per 4 columns instead of 2 (Nsight Compute at B = 1024: 4.85 ->
+// 3.52 M warp instructions) and B = 1024's rows fit in one wave (1.29 waves before). Measured on the
+// H200: selection 26.6 -> 17.8 us at B = 4096, 8.8 unchanged at 1024 (Nsight Compute: SMs active
+// ~70% of the kernel's time there either way; NOTES).
+constexpr int kSelectThreads = 128;
+constexpr int kSelectWarps = kSelectThreads / 32;
+
 // One CTA per row, with every load it needs in flight together: the first version (a serial chain
 // of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
 // per row with batched loads left too few warps to hide the latency (65 us). Here warp 0 first
@@ -513,17 +523,19 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // shared memory before the column loop, so that none of that code's registers are live in it. Then
 // the CTA computes each column's interval once (its S split partials loaded at once, the weight's
 // norms from prepare_rows_kernel), keeping its upper end in shared memory, and takes the block max
-// of the lower ends; the candidates are written in column order (ballots and the warps' counts),
-// so the selection is deterministic. 6 CTAs per SM: 40 registers, no spill (ptxas would take 48, 5
-// per SM; 8 per SM needs 32 and spilled 92 bytes: 12.9 -> 16.9 us at B = 1024). The square roots'
-// slow path (arguments below 2^-101: zero and tiny rows; Inf, NaN) is a call, in warp 0 only.
+// of the lower ends. Each candidate takes its slot in the row's list from a shared counter: the
+// list's order depends on the warps' timing, its contents and count do not, and neither do the
+// rescoring's results (rescore_kernel: every column's arithmetic is the same in any slot, and the
+// arg-max rule orders by value, then index). 40 registers, no spill. The square roots' slow path
+// (arguments below 2^-101: zero and tiny rows; Inf, NaN) is a call, in warp 0 only.
 template <int kSplitBound>
-__global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const SelectParams p) {
+__global__ void __launch_bounds__(kSelectThreads, 12)
+    select_candidates_kernel(const SelectParams p) {
   wait_for_previous_grid();
   extern __shared__ float s_upper[];  // [n]
-  __shared__ float s_value[kWarps];
-  __shared__ int s_flag[kWarps];
-  __shared__ int s_warp_count[kWarps];
+  __shared__ float s_value[kSelectWarps];
+  __shared__ int s_flag[kSelectWarps];
+  __shared__ int s_count;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x;
@@ -531,14 +543,17 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
   __shared__ Norms s_x_norms;
   if (warp == 0) {
     const Norms norms = x_row_norms<kSplitBound>(p, row, lane);
-    if (lane == 0) s_x_norms = norms;
+    if (lane == 0) {
+      s_x_norms = norms;
+      s_count = 0;
+    }
   }
   __syncthreads();
   const Norms x_norms = s_x_norms;
 
   float best_lower = -INFINITY;
   bool whole_row = false;
-  for (int64_t col = threadIdx.x; col < p.n; col += kThreads) {
+  for (int64_t col = threadIdx.x; col < p.n; col += kSelectThreads) {
     float lo = -INFINITY, hi = INFINITY;
     const Norms w_norms = load_norms(p.w_norms + col * p.w_norms_stride);
     whole_row |= !column_value_interval<kSplitBound>(p, row_index, col, x_norms, w_norms, lo, hi);
@@ -546,30 +561,21 @@ __global__ void __launch_bounds__(kThreads, 6) select_candidates_kernel(const Se
     s_upper[col] = hi;
   }
   // Also the barrier after which every thread sees s_upper.
-  best_lower = block_max(best_lower, whole_row, s_value, s_flag);
+  best_lower = block_max<kSelectWarps>(best_lower, whole_row, s_value, s_flag);
 
-  int count = 0;
   if (!whole_row) {
-    // Every thread runs every step (ballots, barriers); count is the same in all of them.
-    for (int64_t base = 0; base < p.n && count <= kMaxCandidates; base += kThreads) {
-      const int64_t col = base + threadIdx.x;
-      const bool candidate = col < p.n && s_upper[col] >= best_lower;
-      const unsigned ballot = __ballot_sync(0xffffffffu, candidate);
-      if (lane == 0) s_warp_count[warp] = __popc(ballot);
-      __syncthreads();
-      int slot = count + __popc(ballot & ((1u << lane) - 1u));
-      for (int w = 0; w < kWarps; ++w) {
-        const int warp_count = s_warp_count[w];
-        if (w < warp) slot += warp_count;
-        count += warp_count;
+    for (int64_t col = threadIdx.x; col < p.n; col += kSelectThreads) {
+      if (s_upper[col] >= best_lower) {
+        const int slot = atomicAdd(&s_count, 1);
+        if (slot < kMaxCandidates) {
+          p.candidates[row * kMaxCandidates + slot] = static_cast<int>(col);
+        }
       }
-      if (candidate && slot < kMaxCandidates) {
-        p.candidates[row * kMaxCandidates + slot] = static_cast<int>(col);
-      }
-      __syncthreads();  // s_warp_count is rewritten by the next step
     }
   }
+  __syncthreads();
   if (threadIdx.x == 0) {
+    const int count = s_count;
     const int result = whole_row || count > kMaxCandidates ? -1 : count;
     p.count[row] = result;
     // Which CTA rescores the row does not change its result (rescore_kernel's arithmetic is per
