@@ -5,14 +5,17 @@ pass"): how tight the bound is and how many columns each row sends to the rescor
     python benchmarks/simulate_certified.py --x-dist rand -B 1024 -K 8192 -N 512 --splits 8
     python benchmarks/simulate_certified.py --x-dist rand --weights model   # the benchmarks' data
     python benchmarks/simulate_certified.py --x-dist rand --weights model --operands bf16
+    python benchmarks/simulate_certified.py --x-dist rand --weights model --partials bfloat16
 
 --weights uniform draws the pooled weight like one nn.Linear(K, N) row set; --weights model draws
 nn.Linear(K, N * k) (k = 16) and pools it as the fold does, which is what the benchmarks run.
 
-Pass 1 is emulated as the bound models it: operands truncated to TF32 (low 13 mantissa bits
-cleared; --operands bf16 rounds both to bfloat16, bf16-weight only the weight: what-ifs, the bound
-takes the residual norms of whichever format), float32 products and sums per split, split sums
-and bias in float32. The bound (with the rows' residual norms) and the interval GELU use the
+Pass 1 is emulated as the bound models it: operands as the kernel's fp16 copies (each row scaled
+by a power of two; --operands tf32 truncates both to TF32, the first certified pass 1; bf16 rounds
+both to bfloat16, bf16-weight only the weight: what-ifs, the bound takes the residual norms of
+whichever format), float32 products and sums per split, split sums and bias in float32
+(--partials bfloat16: each split's partial rounded to bfloat16 first, the branch
+next/bf16-partials, with that branch's bound: 2^-8 sum |p^_s| more, g_sum (1 + 2^-7)). The bound (with the rows' residual norms) and the interval GELU use the
 kernel's constants (computed here in float64, which only makes them marginally tighter). Prints,
 per seed: the largest |z~ - z64| / E (must stay below 1), the mean E relative to the spread of z,
 the candidates per row (mean, quantiles, rows over the kernel's 64) and whether the float64
@@ -79,7 +82,8 @@ OPERANDS = {
 }
 
 
-def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed, operands="tf32"):
+def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed,
+             operands="fp16-scaled", partials="float32"):
     convert_x, convert_w = OPERANDS[operands]
     torch.manual_seed(seed)
     bound = 1 / math.sqrt(in_features)
@@ -97,9 +101,14 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed, o
     w, b = w.float().numpy(), b.float().numpy()
 
     z_pass1 = np.zeros((batch, pooled), np.float32)
+    partial_magnitudes = np.zeros((batch, pooled), np.float64)
     edges = np.linspace(0, in_features, splits + 1).astype(int)
     for lo, hi in zip(edges[:-1], edges[1:]):
-        z_pass1 += convert_x(x[:, lo:hi]) @ convert_w(w[:, lo:hi]).T
+        partial = (convert_x(x[:, lo:hi]) @ convert_w(w[:, lo:hi]).T).astype(np.float32)
+        if partials == "bfloat16":
+            partial = bf16(partial)
+        z_pass1 += partial
+        partial_magnitudes += np.abs(partial)
     z_pass1 += b
     z64 = x.astype(np.float64) @ w.astype(np.float64).T + b
 
@@ -107,6 +116,8 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed, o
     # One tensor-core chain per split (certified_pass1_kernel), then float32 sums.
     chain = math.ceil(k / s)
     g_sum = gamma(math.ceil(k / chain) + s + 2, 2.0**-24)
+    if partials == "bfloat16":
+        g_sum *= 1 + 2.0**-7
     g_tc = gamma(math.ceil(chain / 8), 10 * 2.0**-23)
     g = g_tc * (1 + g_sum) + g_sum
     slack = 1 + gamma(k + s, 2.0**-24) + 2.0**-22
@@ -121,6 +132,8 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed, o
     # rescore_depth: the rescoring's FMA chain over k / 256 floats per thread, then 13 additions.
     rho = gamma(4 * math.ceil(k / 1024) + 13, 2.0**-24)
     e = (1 + g) * operand + g * product + g_sum * np.abs(b) + rho * (product + np.abs(b))
+    if partials == "bfloat16":
+        e = e + 2.0**-8 * partial_magnitudes
 
     a, c = z_pass1 - e, z_pass1 + e
     g_lo = np.where(c <= X0, gelu(c), np.where(a >= X0, gelu(a), GELU_MIN))
@@ -150,12 +163,15 @@ def main():
     parser.add_argument("--x-dist", choices=["randn", "rand"], default="randn")
     parser.add_argument("--weights", choices=["uniform", "model"], default="uniform")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--operands", choices=sorted(OPERANDS), default="tf32",
-                        help="pass 1's operand format (the kernel's is tf32; bf16 is a what-if)")
+    parser.add_argument("--operands", choices=sorted(OPERANDS), default="fp16-scaled",
+                        help="pass 1's operand format (the kernel's is fp16-scaled; the others "
+                             "are what-ifs)")
+    parser.add_argument("--partials", choices=["float32", "bfloat16"], default="float32",
+                        help="how the split partials are stored (main: float32)")
     args = parser.parse_args()
     for seed in args.seeds:
         print(seed, simulate(args.B, args.K, args.N, args.splits, args.scale, args.x_dist,
-                             args.weights, seed, args.operands))
+                             args.weights, seed, args.operands, args.partials))
 
 
 if __name__ == "__main__":
