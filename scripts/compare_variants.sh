@@ -2,8 +2,8 @@
 # Kernel variants side by side on the GPU machine, in one call.
 #
 # Here (with git):   scripts/compare_variants.sh prepare main=main bf16=next/bf16-partials ...
-#   exports each git ref's tree into variants/NAME (git-ignored: name `variants` in the device
-#   tool's `carry`, 64 MB in all; one tree is ~1 MB).
+#   exports each git ref's tree into variants/NAME, replacing what was there (git-ignored: name
+#   `variants` in the device tool's `carry`, 64 MB in all; one tree is ~1 MB).
 # There:             scripts/compare_variants.sh run
 #   builds every tree under variants/ (in parallel, each into /tmp/fpg-variants/NAME), then
 #   SUITE="NAME ..." runs the GPU tests (-m "cuda and not slow") on those, SANITIZE="NAME ..."
