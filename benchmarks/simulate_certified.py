@@ -10,16 +10,16 @@ pass"): how tight the bound is and how many columns each row sends to the rescor
 --weights uniform draws the pooled weight like one nn.Linear(K, N) row set; --weights model draws
 nn.Linear(K, N * k) (k = 16) and pools it as the fold does, which is what the benchmarks run.
 
-Pass 1 is emulated as the bound models it: operands as the kernel's fp16 copies (each row scaled
-by a power of two; --operands tf32 truncates both to TF32, the first certified pass 1; bf16 rounds
-both to bfloat16, bf16-weight only the weight: what-ifs, the bound takes the residual norms of
-whichever format), float32 products and sums per split, split sums and bias in float32
-(--partials bfloat16: each split's partial rounded to bfloat16 first, the branch
-next/bf16-partials, with that branch's bound: 2^-8 sum |p^_s| more, g_sum (1 + 2^-7)). The bound (with the rows' residual norms) and the interval GELU use the
-kernel's constants (computed here in float64, which only makes them marginally tighter). Prints,
-per seed: the largest |z~ - z64| / E (must stay below 1), the mean E relative to the spread of z,
-the candidates per row (mean, quantiles, rows over the kernel's 64) and whether the float64
-arg-max was always a candidate.
+Pass 1 is emulated as the bound models it: operands as the kernel's fp16 copies (each row scaled by
+a power of two; --operands tf32 truncates both to TF32, the first certified pass 1; bf16 rounds both
+to bfloat16, bf16-weight only the weight: what-ifs, the bound takes the residual norms of whichever
+format), float32 products and sums per split, split sums and bias in float32 (--partials bfloat16:
+each split's partial rounded to bfloat16 first, the branch next/bf16-partials, with that branch's
+bound: 2^-8 sum |p^_s| more, g_sum (1 + 2^-7)). The bound (with the rows' residual norms) and the
+interval GELU use the kernel's constants (computed here in float64, which only makes them marginally
+tighter). Prints, per seed: the largest |z~ - z64| / E (must stay below 1), the mean E relative to
+the spread of z, the candidates per row (mean, quantiles, rows over the kernel's 64) and whether the
+float64 arg-max was always a candidate.
 """
 
 from __future__ import annotations

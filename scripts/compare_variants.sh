@@ -36,8 +36,13 @@ case ${1:-} in
     mkdir -p "$OUT"
     PKGS=/tmp/fpg-variants
     names=()
+    shopt -s nullglob
     for dir in "$TREES"/*/; do names+=("$(basename "$dir")"); done
-    [ ${#names[@]} -gt 0 ] || { echo "no trees under variants/: run '$0 prepare' here first" >&2; exit 2; }
+    shopt -u nullglob
+    if [ ${#names[@]} -eq 0 ]; then
+      echo "no trees under variants/: run '$0 prepare' here first" >&2
+      exit 2
+    fi
     steps="$OUT/steps.txt"
     stamp() { date -u +%H:%M:%S; }
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
@@ -62,7 +67,8 @@ case ${1:-} in
          timeout -s KILL 240 bash ../scripts/sanitize.sh > "$OUT/sanitize_$name.log" 2>&1
        echo "$(stamp) sanitize $name rc=$?" >> "$steps")
     done
-    read -r -a profile_args <<< "${PROFILE_ARGS:---paths certified --prepared yes --batches 1024 4096 --calls 20}"
+    default_profile="--paths certified --prepared yes --batches 1024 4096 --calls 20"
+    read -r -a profile_args <<< "${PROFILE_ARGS:-$default_profile}"
     for round in $(seq 1 "${ROUNDS:-2}"); do
       for name in "${names[@]}"; do
         echo "== $name, round $round, $(stamp)" >> "$OUT/profile.txt"

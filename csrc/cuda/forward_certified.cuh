@@ -510,9 +510,9 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // Threads of a selection CTA (one row): 128, 4 columns each at N = 512, 12 CTAs per SM at 40
 // registers. Against 256 threads at 6 per SM, the per-CTA code (the x norms, the block max, the
 // candidate slots) is paid once per 4 columns instead of 2 (Nsight Compute at B = 1024: 4.85 ->
-// 3.52 M warp instructions) and B = 1024's rows fit in one wave (1.29 waves before). Measured on the
-// H200: selection 26.6 -> 17.8 us at B = 4096, 8.8 unchanged at 1024 (Nsight Compute: SMs active
-// ~70% of the kernel's time there either way; NOTES).
+// 3.52 M warp instructions) and B = 1024's rows fit in one wave (1.29 waves before). Measured on
+// the H200: selection 26.6 -> 17.8 us at B = 4096, 8.8 unchanged at 1024 (Nsight Compute: SMs
+// active ~70% of the kernel's time there either way; NOTES).
 constexpr int kSelectThreads = 128;
 constexpr int kSelectWarps = kSelectThreads / 32;
 
