@@ -610,11 +610,14 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain
   // The accumulation model counts k8 steps; an fp16 wgmma's k16 step is two of them.
   const double g_tc = gamma(std::ceil(chain / 8.0), 10.0 * 0x1p-23);
   const double g = g_tc * (1.0 + g_sum) + g_sum;
+  // The selection's float32 sum of the bfloat16 partials and the bias (step 6).
+  const double g_stored = gamma(s + 1, 0x1p-24);
   certified::Bound b{};
   b.operand = up(1.0 + g);
   b.accumulation = up(g);
-  b.bias = up(g_sum);
-  b.absolute = up((1.0 + g) * s * 0x1p-149);
+  b.bias = up(g_sum + g_stored);
+  b.storage = up(0x1p-8 + g_stored);
+  b.absolute = up((1.0 + g) * s * 0x1p-149 + s * 0x1p-134);
   // x's norms: pass 1's per-split sums, then the selection's sum over the splits.
   norm_constants(k_padded, squares_depth, b.squares_floor, b.norm_slack);
   b.rescore = up(gamma(depth, 0x1p-24));
@@ -756,27 +759,29 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   TORCH_CHECK(splits >= 1 && splits <= certified::kMaxSplits,
               "fused_pool_gelu.forward: internal error: ", splits, " certified splits");
   // One allocation (each costs host time in every call), freed on return: the caching allocator
-  // reuses it only after this stream's kernels. The partials; x's split sums of squares, of squared
-  // residuals and scale exponents (the selection makes x's norms from them); the weight's prepared
-  // copy unless the caller has one (at a 16-byte offset, as TMA needs); then the selection's ints,
-  // which the caller keeps.
+  // reuses it only after this stream's kernels. The partials (bfloat16, two to a float); x's split
+  // sums of squares, of squared residuals and scale exponents (the selection makes x's norms from
+  // them); the weight's prepared copy unless the caller has one (at a 16-byte offset, as TMA
+  // needs); then the selection's ints, which the caller keeps.
   const int64_t copy_halves = prepared_copy_halves(k_padded);
-  const int64_t sums_offset = splits * batch * n;
+  const int64_t sums_offset = ceil_div(splits * batch * n, int64_t{2});
   const int64_t copy_offset = ceil_div(sums_offset + 3 * splits * batch, int64_t{4}) * 4;
   const int64_t copy_floats =
       prepared == nullptr ? ceil_div(prepared_bytes(n, k_padded), int64_t{4}) : 0;
   const int64_t selection_offset = copy_offset + copy_floats;
-  static_assert(sizeof(int) == sizeof(float) && 2 * sizeof(__half) == sizeof(float),
-                "the ints and the fp16 copy share the float allocation");
+  static_assert(sizeof(int) == sizeof(float) && 2 * sizeof(__half) == sizeof(float) &&
+                    2 * sizeof(__nv_bfloat16) == sizeof(float),
+                "the ints, the fp16 copy and the bfloat16 partials share the float allocation");
   Selection selection;
   selection.workspace =
       at::empty({selection_offset + Selection::ints(batch)}, options.dtype(at::kFloat));
   selection.offset = selection_offset;
   selection.batch = batch;
-  float* const partial = selection.workspace.data_ptr<float>();
+  float* const workspace = selection.workspace.data_ptr<float>();
+  __nv_bfloat16* const partial = reinterpret_cast<__nv_bfloat16*>(workspace);
   const certified::Bound bound = certified_bound(k_padded, splits, k_per_split);
   if (prepared == nullptr) {
-    uint8_t* const copy = reinterpret_cast<uint8_t*>(partial + copy_offset);
+    uint8_t* const copy = reinterpret_cast<uint8_t*>(workspace + copy_offset);
     launch_prepare(w, n, k_padded, copy, stream);
     prepared = copy;
   }
@@ -784,10 +789,11 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   const float* const trailers =
       reinterpret_cast<const float*>(prepared + prepared_copy_bytes(n, k_padded));
 
-  fg::GemmParams gemm = gemm_params(x, w, partial, batch, n, k_padded, k_per_split, 0, batch);
+  fg::GemmParams gemm = gemm_params(x, w, nullptr, batch, n, k_padded, k_per_split, 0, batch);
+  gemm.rounded_partial = partial;
   gemm.w_inverse_scale = trailers + kPreparedInverseScale;
   gemm.w_inverse_scale_stride = 4;
-  gemm.x_sumsq = partial + sums_offset;
+  gemm.x_sumsq = workspace + sums_offset;
   gemm.x_residual_sumsq = gemm.x_sumsq + splits * batch;
   gemm.x_scale_exponent = reinterpret_cast<int*>(gemm.x_residual_sumsq + splits * batch);
   gemm.zeroed_counters = selection.rescore_ends();
@@ -829,9 +835,14 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
   config.dynamicSmemBytes = certified::select_smem_bytes(n);
+  const int columns_in_flight = certified::select_columns_in_flight(batch, info.sms);
   dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
+    constexpr int kSplitBound = decltype(split_bound)::value;
     C10_CUDA_CHECK(cudaLaunchKernelEx(
-        &config, certified::select_candidates_kernel<decltype(split_bound)::value>, select));
+        &config,
+        columns_in_flight == 1 ? certified::select_candidates_kernel<kSplitBound, 1>
+                               : certified::select_candidates_kernel<kSplitBound, 2>,
+        select));
   });
   return selection;
 }

@@ -17,9 +17,10 @@
 // fp16 (above 65504 once scaled) makes h_i infinite, and with it z~ and the residual norm: the row
 // is rescored whole.
 //
-// The bound. z = x . w + bias over K; pass 1 computes z~ = sum over splits s of (the tensor core's
-// sum of h_x,i h_w,i over the split's K range) 2^-(e_x,s + e_w), plus bias, in float32. In each
-// split's scaled units x' = x 2^e_x,s, w' = w 2^e_w:
+// The bound. z = x . w + bias over K; pass 1 computes each split's partial p_s = (the tensor core's
+// sum of h_x,i h_w,i over the split's K range) 2^-(e_x,s + e_w) and stores it in bfloat16 (step
+// 6); the selection adds them and the bias in float32: z~. In each split's scaled units x' = x
+// 2^e_x,s, w' = w 2^e_w:
 //  1. Operands: x'_i w'_i - h_x,i h_w,i = x'_i r_w,i + r_x,i h_w,i and |h_w,i| <= |w'_i| + |r_w,i|.
 //  2. Products of two 11-bit significands are exact in float32, and none is subnormal (normal
 //     fp16 values are multiples of 2^-24 of at least 2^-14, so every sum of their products is 0
@@ -43,7 +44,17 @@
 //     per split here): g_sum = gamma_{K/C + S + 2}(2^-24), with gamma_m(u) = m u / (1 - m u).
 //  Summing, with g = g_tc (1 + g_sum) + g_sum, O = sum over i of |x_i| |r_w,i| + |r_x,i| (|w_i| +
 //  |r_w,i|) (original units: r 2^-e) and sum |h_x,i h_w,i| 2^-(e_x,s + e_w) <= sum |x_i| |w_i| + O:
-//  |z~ - z| <= (1 + g) O + g sum |x_i| |w_i| + g_sum |bias| + (1 + g) S 2^-149,
+//  |z' - z| <= (1 + g) O + g sum |x_i| |w_i| + g_sum |bias| + (1 + g) S 2^-149 for z' the float32
+//  sum of the unrounded p_s and the bias, and as well for their exact sum (it only drops the
+//  additions' roundings, each of which the bound counts with a non-negative share).
+//  6. Storage (forward_gemm_sm90.cuh's store_certified_partial): each p_s is stored rounded to
+//     nearest bfloat16 (8 significant bits, float32's exponent range), p^_s, with |p^_s - p_s| <=
+//     2^-8 |p^_s| + 2^-134 (half an ulp of p^_s's binade, or of bfloat16's subnormal spacing
+//     2^-133). The selection adds the loaded p^_s, then the bias, in float32: z~ lies within
+//     gamma_{S+1}(2^-24) (sum |p^_s| + |bias|) of their exact sum. With s^ >= sum |p^_s| (the
+//     selection's, from the loaded values, rounded up) and g_s = gamma_{S+1}(2^-24):
+//  |z~ - z| <= (1 + g) O + g sum |x_i| |w_i| + (g_sum + g_s) |bias| + (2^-8 + g_s) s^
+//              + (1 + g) S 2^-149 + S 2^-134,
 //  and Cauchy-Schwarz (sum |a_i| |b_i| <= ||a||_2 ||b||_2, the triangle inequality for
 //  ||w| + |r_w||): O <= ||x|| ||r_w|| + ||r_x|| (||w|| + ||r_w||), all in the original units. The
 //  norms are sums of squares of scaled values and of their residuals in float32, round to
@@ -83,6 +94,7 @@
 // the launches, use_certified) is in forward.cu.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -126,8 +138,9 @@ constexpr float kGeluSlopeMaxAbove = 1.12890625f;
 struct Bound {
   float operand;          // 1 + g: multiplies ||x|| ||r_w|| + ||r_x|| (||w|| + ||r_w||)
   float accumulation;     // g: multiplies ||x|| ||w||
-  float bias;             // g_sum
-  float absolute;         // (1 + g) S 2^-149
+  float bias;             // g_sum + g_s
+  float storage;          // 2^-8 + g_s: multiplies s^, the bfloat16 partials' sum of magnitudes
+  float absolute;         // (1 + g) S 2^-149 + S 2^-134
   float squares_floor;    // K 2^-148, added to a sum of squares
   float norm_slack;       // 1 + gamma' + 2^-22
   float rescore;          // rho
@@ -146,7 +159,7 @@ __device__ __forceinline__ Norms load_norms(const Norms* norms) {
 }
 
 struct SelectParams {
-  const float* partial;   // [splits, batch, n]
+  const __nv_bfloat16* partial;  // [splits, batch, n]
   int split_stride;       // batch * n
   int splits;
   // [splits, batch] each: pass 1's sums of squares of x's scaled rows and of their residuals, and
@@ -196,20 +209,29 @@ constexpr int kRescoreHeavyCandidates = 2;
 // col) it kept a 64-bit address per split across the column loop when the code before the loop
 // changed: 8 more registers at 8 splits, 32-48 bytes of spills at the 40-register cap (the x norms
 // computed in this kernel, or none at all). Each load's address also takes 2 instructions, not 4.
+// Also their magnitudes' sum s^, rounded up, for the storage's share of the bound (step 6).
+struct SplitSum {
+  float value;
+  float magnitude;
+};
+
 template <int kSplitBound>
-__device__ __forceinline__ float column_split_sum(const SelectParams& p, uint32_t index) {
+__device__ __forceinline__ SplitSum column_split_sum(const SelectParams& p, uint32_t index) {
   float v[kSplitBound];
 #pragma unroll
   for (int i = 0; i < kSplitBound; ++i) {
     const uint32_t offset = static_cast<uint32_t>(min(i, p.splits - 1) * p.split_stride);
-    v[i] = __ldg(p.partial + (index + offset));
+    v[i] = __bfloat162float(__ldg(p.partial + (index + offset)));
   }
-  float z = v[0];
+  SplitSum sum{v[0], fabsf(v[0])};
 #pragma unroll
   for (int i = 1; i < kSplitBound; ++i) {
-    if (i < p.splits) z += v[i];
+    if (i < p.splits) {
+      sum.value += v[i];
+      sum.magnitude = __fadd_ru(sum.magnitude, fabsf(v[i]));
+    }
   }
-  return z;
+  return sum;
 }
 
 // z~ and its bound E for one column; false when either is not finite or the norms are too large
@@ -218,13 +240,15 @@ template <int kSplitBound>
 __device__ __forceinline__ bool column_interval(const SelectParams& p, int64_t row_index,
                                                int64_t col, Norms x, Norms w, float& z,
                                                float& e) {
-  z = column_split_sum<kSplitBound>(p, static_cast<uint32_t>(row_index + col));
+  const SplitSum partials =
+      column_split_sum<kSplitBound>(p, static_cast<uint32_t>(row_index + col));
   const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
-  z += b;
+  z = partials.value + b;
   const float product = __fmul_ru(x.value, w.value);
   const float operand = __fadd_ru(__fmul_ru(x.value, w.residual),
                                   __fmul_ru(x.residual, __fadd_ru(w.value, w.residual)));
   e = __fmaf_ru(p.bound.bias, fabsf(b), p.bound.absolute);
+  e = __fmaf_ru(p.bound.storage, partials.magnitude, e);
   e = __fmaf_ru(p.bound.accumulation, product, e);
   e = __fmaf_ru(p.bound.operand, operand, e);
   e = __fadd_ru(e, __fmul_ru(p.bound.rescore, __fadd_ru(product, fabsf(b))));
@@ -515,6 +539,17 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // active ~70% of the kernel's time there either way; NOTES).
 constexpr int kSelectThreads = 128;
 constexpr int kSelectWarps = kSelectThreads / 32;
+// Columns a selection thread keeps in flight per loop step, 1 or 2 (the kernel's template
+// argument): two issue twice the loads at once but need 64 registers, 8 CTAs per SM instead of
+// 12. Measured on the H200 (NOTES, the selection's "unrolled 2" row, float32 partials): at B =
+// 1024, whose rows fit in one wave either way, 8.8 -> 8.2 us; at 4096, 3.9 waves instead of 2.6,
+// 17.9 -> 20.1. So two only where the rows fit in one wave of 8 per SM.
+__host__ __device__ constexpr int select_blocks_per_sm(int columns_in_flight) {
+  return columns_in_flight == 1 ? 12 : 8;
+}
+inline int select_columns_in_flight(int64_t batch, int sms) {
+  return batch <= int64_t{select_blocks_per_sm(2)} * sms ? 2 : 1;
+}
 
 // One CTA per row, with every load it needs in flight together: the first version (a serial chain
 // of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
@@ -528,9 +563,10 @@ constexpr int kSelectWarps = kSelectThreads / 32;
 // rescoring's results (rescore_kernel: every column's arithmetic is the same in any slot, and the
 // arg-max rule orders by value, then index). 40 registers, no spill. The square roots' slow path
 // (arguments below 2^-101: zero and tiny rows; Inf, NaN) is a call, in warp 0 only.
-template <int kSplitBound>
-__global__ void __launch_bounds__(kSelectThreads, 12)
+template <int kSplitBound, int kColumnsInFlight>
+__global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsInFlight))
     select_candidates_kernel(const SelectParams p) {
+  static_assert(kColumnsInFlight == 1 || kColumnsInFlight == 2, "see select_blocks_per_sm");
   wait_for_previous_grid();
   extern __shared__ float s_upper[];  // [n]
   __shared__ float s_value[kSelectWarps];
@@ -553,6 +589,7 @@ __global__ void __launch_bounds__(kSelectThreads, 12)
 
   float best_lower = -INFINITY;
   bool whole_row = false;
+#pragma unroll(kColumnsInFlight)
   for (int64_t col = threadIdx.x; col < p.n; col += kSelectThreads) {
     float lo = -INFINITY, hi = INFINITY;
     const Norms w_norms = load_norms(p.w_norms + col * p.w_norms_stride);

@@ -15,6 +15,7 @@
 // aligned 16-byte load.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -112,6 +113,8 @@ struct GemmParams {
   const float* w;         // [n, k], row stride ldw
   int64_t ldw;
   float* partial;         // partial[s * split_stride + row * n + col]
+  // certified_pass1_kernel's partials instead, in bfloat16 (same layout; partial is null there)
+  __nv_bfloat16* rounded_partial;
   int64_t split_stride;
   int64_t rows;           // rows of x in this launch
   int64_t n;

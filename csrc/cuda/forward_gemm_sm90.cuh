@@ -251,14 +251,10 @@ __device__ __forceinline__ void wgmma_m64n128k8_tf32(float (&d)[kWgAccum], const
 // Stores one consumer warp's share of an m64nN wgmma accumulator as split `split`'s partial sums:
 // value 4 j + e of this thread is row g (+8 for e >= 2) of the warp's 16 rows starting at `row0`,
 // column n0 + 8 j + 2 t (+1 for odd e), g = lane / 4, t = lane % 4; rows and columns past the
-// launch's clipped. With column_inverse_scale set (certified pass 1: column n0 + c's at [c], in
-// shared memory), each value is first multiplied by its row's and its column's inverse scales
-// (powers of two whose product is a normal float: exact unless the result is subnormal).
+// launch's clipped.
 template <int kAccum>
 __device__ __forceinline__ void store_partial(const GemmParams& p, const float (&acc)[kAccum],
-                                              int split, int64_t row0, int64_t n0, int lane,
-                                              const float (&row_inverse_scale)[2] = {1.f, 1.f},
-                                              const float* column_inverse_scale = nullptr) {
+                                              int split, int64_t row0, int64_t n0, int lane) {
   const int g = lane >> 2;
   const int t = lane & 3;
   float* out = p.partial + split * p.split_stride;
@@ -268,23 +264,78 @@ __device__ __forceinline__ void store_partial(const GemmParams& p, const float (
     const int64_t m = row0 + g + 8 * h;
     if (m >= p.rows) continue;
     float* out_row = out + m * p.n;
-    const float row_scale = row_inverse_scale[h];
 #pragma unroll
     for (int j = 0; j < kAccum / 4; ++j) {
       const int64_t col = n0 + 8 * j + 2 * t;
-      float v0 = acc[4 * j + 2 * h];
-      float v1 = acc[4 * j + 2 * h + 1];
-      if (column_inverse_scale != nullptr) {
-        const float2 column_scale =
-            *reinterpret_cast<const float2*>(column_inverse_scale + 8 * j + 2 * t);
-        v0 *= row_scale * column_scale.x;
-        v1 *= row_scale * column_scale.y;
-      }
+      const float v0 = acc[4 * j + 2 * h];
+      const float v1 = acc[4 * j + 2 * h + 1];
       if (vec2) {
         if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
       } else {
         if (col < p.n) out_row[col] = v0;
         if (col + 1 < p.n) out_row[col + 1] = v1;
+      }
+    }
+  }
+}
+
+// The certified pass's store (same accumulator layout as store_partial's): each value times its
+// row's and its column's inverse scales (powers of two whose product is a normal float: exact
+// unless the result is subnormal; column n0 + c's at column_inverse_scale[c], in shared memory),
+// rounded to nearest bfloat16 (forward_certified.cuh's step 6 bounds that rounding), into
+// p.rounded_partial. Half the bytes of float32 partials: the store of 16 MB of them at B = 1024
+// took ~4.8 us of pass 1, bound by its bytes (NOTES). A thread's bfloat16 pair of one 8-column
+// group is 4 bytes, which stored alone would leave each quad writing half 32-byte sectors (the
+// first bfloat16 variant's +4.1 us); so the lanes of each pair (t, t ^ 1) trade one word per two
+// groups 2J, 2J + 1: the even lane keeps its group-2J word and takes its neighbour's (columns
+// 16 J + 2 t .. + 3), the odd lane keeps its group-(2J + 1) word and takes its neighbour's
+// (columns 16 J + 8 + 2 (t - 1) .. + 3), and the quad's four 8-byte stores cover the 16 columns'
+// 32 bytes. Where N is not a multiple of 4 (rows not 8-byte aligned) each value is stored alone.
+template <int kAccum>
+__device__ __forceinline__ void store_certified_partial(const GemmParams& p,
+                                                        const float (&acc)[kAccum], int split,
+                                                        int64_t row0, int64_t n0, int lane,
+                                                        const float (&row_inverse_scale)[2],
+                                                        const float* column_inverse_scale) {
+  static_assert(kAccum % 8 == 0, "8-column groups in pairs");
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const bool odd = (t & 1) != 0;
+  __nv_bfloat16* out = p.rounded_partial + split * p.split_stride;
+  const bool packed = (p.n % 4) == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t m = row0 + g + 8 * h;
+    const bool row_inside = m < p.rows;
+#pragma unroll
+    for (int pair = 0; pair < kAccum / 8; ++pair) {
+      uint32_t word[2];
+      __nv_bfloat162 values[2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int j = 2 * pair + q;
+        const float2 column_scale =
+            *reinterpret_cast<const float2*>(column_inverse_scale + 8 * j + 2 * t);
+        const float v0 = acc[4 * j + 2 * h] * (row_inverse_scale[h] * column_scale.x);
+        const float v1 = acc[4 * j + 2 * h + 1] * (row_inverse_scale[h] * column_scale.y);
+        values[q] = __floats2bfloat162_rn(v0, v1);
+        word[q] = *reinterpret_cast<const uint32_t*>(&values[q]);
+      }
+      if (packed) {
+        // Warp-uniform branch: every lane takes part in the shuffle, rows past the end included.
+        const uint32_t received = __shfl_xor_sync(0xffffffffu, odd ? word[0] : word[1], 1);
+        const int64_t col = n0 + 16 * pair + 2 * t + (odd ? 6 : 0);
+        if (row_inside && col < p.n) {
+          *reinterpret_cast<uint2*>(out + m * p.n + col) =
+              odd ? make_uint2(received, word[1]) : make_uint2(word[0], received);
+        }
+      } else if (row_inside) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int64_t col = n0 + 8 * (2 * pair + q) + 2 * t;
+          if (col < p.n) out[m * p.n + col] = values[q].x;
+          if (col + 1 < p.n) out[m * p.n + col + 1] = values[q].y;
+        }
       }
     }
   }
@@ -466,15 +517,16 @@ struct TmaMaps {
   CUtensorMap w;
 };
 // ------------------------------------------------------------------------------------------------
-// The certified first pass: partial[s, b, n] = the tensor core's sum of h_x[b, i] h_w[n, i] over
-// split s, times 2^-(e_x[s, b] + e_w[n]): h_w the weight's fp16 copy scaled by 2^e_w per row, h_x
-// x's fp16 copy made here, in registers, scaled by 2^e_x per row and split (forward_certified.cuh
-// says why fp16, and how the scales are chosen). Built for L2 traffic: on float32 operands
-// (single-pass TF32, 128 x 256 tiles) this pass read 48 KB from L2 per 1 M multiply-adds, 201 MB
-// at B = 1024, and was bound by it (38 us, 27 of them the loads alone). With the weight in fp16 it
-// reads 32 KB per 1 M (134 MB), and the tensor core's fp16 rate is twice TF32's. x is converted
-// here and not by a kernel before: that kernel's read of x from DRAM (32 MB at B = 1024) could
-// not overlap anything (a version with both copies made ahead: pass 1 26.7 us, the copies 27.2).
+// The certified first pass: rounded_partial[s, b, n] = the tensor core's sum of h_x[b, i] h_w[n, i]
+// over split s, times 2^-(e_x[s, b] + e_w[n]), rounded to bfloat16 (store_certified_partial): h_w
+// the weight's fp16 copy scaled by 2^e_w per row, h_x x's fp16 copy made here, in registers, scaled
+// by 2^e_x per row and split (forward_certified.cuh says why fp16, and how the scales are chosen).
+// Built for L2 traffic: on float32 operands (single-pass TF32, 128 x 256 tiles) this pass read 48
+// KB from L2 per 1 M multiply-adds, 201 MB at B = 1024, and was bound by it (38 us, 27 of them the
+// loads alone). With the weight in fp16 it reads 32 KB per 1 M (134 MB), and the tensor core's fp16
+// rate is twice TF32's. x is converted here and not by a kernel before: that kernel's read of x
+// from DRAM (32 MB at B = 1024) could not overlap anything (a version with both copies made ahead:
+// pass 1 26.7 us, the copies 27.2).
 //
 // CTA tile 128 (x rows) x 256 (weight rows) x 64 (K), 384 threads:
 //   warp 0, lane 0: the TMA producer (two 16 KB float32 x boxes and one 32 KB fp16 weight box per
@@ -740,7 +792,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   const int64_t row0 = m0 + tile_row;
   consumer_barrier();  // the column scales written
-  store_partial(p, acc, split, row0 - g, n0, lane, row_inverse_scale, column_inverse_scale);
+  store_certified_partial(p, acc, split, row0 - g, n0, lane, row_inverse_scale,
+                          column_inverse_scale);
   if (sums_rows) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
