@@ -3,10 +3,12 @@
 Shapes are small (the tools slow kernels down 10-100x) but odd, so that every tail path, the
 small-batch (row-parallel and split-K GEMV) and the tensor-core forward paths, the misaligned slow
 path and the backward (its ops on their own too) all run.
-Every forward path runs: the default (on an sm_90a build on Hopper the certified path from 641
-rows, 513 with the prepared weight that ModelNew keeps under no_grad, the 3xTF32 wgmma GEMM below), each of those two forced for every batch
-(FUSED_POOL_GELU_CERTIFIED=1 / 0), and the portable mma.sync GEMM
-(FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
+Every forward path runs: the default (on an sm_90a build on Hopper the certified path from 513
+rows, 288 with the prepared weight that ModelNew keeps under no_grad, the 3xTF32 wgmma GEMM below),
+each of those two forced for every batch (FUSED_POOL_GELU_CERTIFIED=1 / 0), and the portable
+mma.sync GEMM (FUSED_POOL_GELU_FORCE_MMA_SYNC=1). The certified pass 1's two partial stores (packed
+where N % 4 == 0, one value at a time elsewhere) and the selection's two kernels (two columns in
+flight up to 8 rows per SM, one above) all run.
 """
 
 import os
@@ -24,7 +26,8 @@ cases = [  # (batch, in_features, out_features, pool_kernel_size)
     (300, 520, 1030, 4),   # tensor-core path with M, N, K tails
     (896, 256, 512, 16),   # full tiles (the default takes the certified path; the 3xTF32 GEMM
                            # runs here with FUSED_POOL_GELU_CERTIFIED=0 below)
-    (769, 96, 528, 16),    # the default's certified path (B >= 641), N and K tails
+    (769, 96, 528, 16),    # the default's certified path (B >= 513), N and K tails
+    (1100, 64, 1024, 4),   # past 8 x 132 rows: the certified selection's one-column kernel
 ]
 paths = [
     {},
