@@ -835,13 +835,13 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
   config.dynamicSmemBytes = certified::select_smem_bytes(n);
-  const int columns_in_flight = certified::select_columns_in_flight(batch, info.sms);
+  const int columns_per_thread = certified::select_columns_per_thread(batch, n, info.sms);
   dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
     constexpr int kSplitBound = decltype(split_bound)::value;
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &config,
-        columns_in_flight == 1 ? certified::select_candidates_kernel<kSplitBound, 1>
-                               : certified::select_candidates_kernel<kSplitBound, 2>,
+        columns_per_thread == 1 ? certified::select_candidates_kernel<kSplitBound, 1>
+                                : certified::select_candidates_kernel<kSplitBound, 4>,
         select));
   });
   return selection;

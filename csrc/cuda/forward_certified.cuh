@@ -201,28 +201,45 @@ constexpr int kRescoreHeavyCandidates = 2;
 // us). A chain of S dependent loads per column (the first version's split sums of squares) made
 // the selection latency-bound (~60 us at B = 1024).
 
-// Pass 1's split partials of one (row, column), at index = row * n + col of each split, added in
-// split order with every load issued at once, as sum_few_splits does (loads past the last split
-// re-read it), but indexed in 32 bits (kMaxSplits x rows x N fits, see kMaxSplits) and widened only
-// after a split's offset is added: unsigned 32-bit sums cannot be widened term by term, so the
-// compiler keeps each split's index in one register. From sum_few_splits' pointer (row_partial +
-// col) it kept a 64-bit address per split across the column loop when the code before the loop
-// changed: 8 more registers at 8 splits, 32-48 bytes of spills at the 40-register cap (the x norms
-// computed in this kernel, or none at all). Each load's address also takes 2 instructions, not 4.
-// Also their magnitudes' sum s^, rounded up, for the storage's share of the bound (step 6).
+// Pass 1's split partials of kColumns adjacent columns of one row, from index = row * n + col of
+// each split, every load issued at once, as sum_few_splits does (loads past the last split re-read
+// it), but indexed in 32 bits (kMaxSplits x rows x N fits, see kMaxSplits) and widened only after a
+// split's offset is added: unsigned 32-bit sums cannot be widened term by term, so the compiler
+// keeps each split's index in one register. From sum_few_splits' pointer (row_partial + col) it
+// kept a 64-bit address per split across the column loop when the code before the loop changed: 8
+// more registers at 8 splits, 32-48 bytes of spills at the 40-register cap (the x norms computed
+// in this kernel, or none at all). Each load's address also takes 2 instructions, not 4. kColumns
+// = 4 (col and N multiples of 4: 8-byte aligned) takes each split's four bfloat16 in one load.
+template <int kSplitBound, int kColumns>
+__device__ __forceinline__ void load_split_partials(const SelectParams& p, uint32_t index,
+                                                    float (&v)[kColumns][kSplitBound]) {
+  static_assert(kColumns == 1 || kColumns == 4, "one column, or four in one 8-byte load");
+#pragma unroll
+  for (int i = 0; i < kSplitBound; ++i) {
+    const uint32_t offset = static_cast<uint32_t>(min(i, p.splits - 1) * p.split_stride);
+    if constexpr (kColumns == 1) {
+      v[0][i] = __bfloat162float(__ldg(p.partial + (index + offset)));
+    } else {
+      // A bfloat16 is the high half of its float; the lower address holds the lower half.
+      const uint2 quad = __ldg(reinterpret_cast<const uint2*>(p.partial + (index + offset)));
+      v[0][i] = __uint_as_float(quad.x << 16);
+      v[1][i] = __uint_as_float(quad.x & 0xffff0000u);
+      v[2][i] = __uint_as_float(quad.y << 16);
+      v[3][i] = __uint_as_float(quad.y & 0xffff0000u);
+    }
+  }
+}
+
+// One column's split partials added in split order, and their magnitudes' sum s^, rounded up, for
+// the storage's share of the bound (step 6).
 struct SplitSum {
   float value;
   float magnitude;
 };
 
 template <int kSplitBound>
-__device__ __forceinline__ SplitSum column_split_sum(const SelectParams& p, uint32_t index) {
-  float v[kSplitBound];
-#pragma unroll
-  for (int i = 0; i < kSplitBound; ++i) {
-    const uint32_t offset = static_cast<uint32_t>(min(i, p.splits - 1) * p.split_stride);
-    v[i] = __bfloat162float(__ldg(p.partial + (index + offset)));
-  }
+__device__ __forceinline__ SplitSum add_splits(const SelectParams& p,
+                                               const float (&v)[kSplitBound]) {
   SplitSum sum{v[0], fabsf(v[0])};
 #pragma unroll
   for (int i = 1; i < kSplitBound; ++i) {
@@ -234,15 +251,10 @@ __device__ __forceinline__ SplitSum column_split_sum(const SelectParams& p, uint
   return sum;
 }
 
-// z~ and its bound E for one column; false when either is not finite or the norms are too large
-// for the analysis.
-template <int kSplitBound>
-__device__ __forceinline__ bool column_interval(const SelectParams& p, int64_t row_index,
-                                               int64_t col, Norms x, Norms w, float& z,
-                                               float& e) {
-  const SplitSum partials =
-      column_split_sum<kSplitBound>(p, static_cast<uint32_t>(row_index + col));
-  const float b = p.bias != nullptr ? __ldg(p.bias + col) : 0.f;
+// z~ and its bound E for one column (b: its bias, or 0); false when either is not finite or the
+// norms are too large for the analysis.
+__device__ __forceinline__ bool column_interval(const SelectParams& p, SplitSum partials, float b,
+                                               Norms x, Norms w, float& z, float& e) {
   z = partials.value + b;
   const float product = __fmul_ru(x.value, w.value);
   const float operand = __fadd_ru(__fmul_ru(x.value, w.residual),
@@ -292,12 +304,11 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
 // [lo, hi] for one column; false when z~, its bound or either end is not finite (an overflow in
 // the bound or in gelu * scale included): the row is then rescored whole, never compared with a
 // NaN.
-template <int kSplitBound>
-__device__ __forceinline__ bool column_value_interval(const SelectParams& p,
-                                                      int64_t row_index, int64_t col,
-                                                      Norms x, Norms w, float& lo, float& hi) {
+__device__ __forceinline__ bool column_value_interval(const SelectParams& p, SplitSum partials,
+                                                      float b, Norms x, Norms w, float& lo,
+                                                      float& hi) {
   float z, e;
-  if (!column_interval<kSplitBound>(p, row_index, col, x, w, z, e)) return false;
+  if (!column_interval(p, partials, b, x, w, z, e)) return false;
   value_interval(z, e, p.scale, lo, hi);
   return isfinite(lo) && isfinite(hi);
 }
@@ -539,16 +550,17 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 // active ~70% of the kernel's time there either way; NOTES).
 constexpr int kSelectThreads = 128;
 constexpr int kSelectWarps = kSelectThreads / 32;
-// Columns a selection thread keeps in flight per loop step, 1 or 2 (the kernel's template
-// argument): two issue twice the loads at once but need 64 registers, 8 CTAs per SM instead of
-// 12. Measured on the H200 (NOTES, the selection's "unrolled 2" row, float32 partials): at B =
-// 1024, whose rows fit in one wave either way, 8.8 -> 8.2 us; at 4096, 3.9 waves instead of 2.6,
-// 17.9 -> 20.1. So two only where the rows fit in one wave of 8 per SM.
-__host__ __device__ constexpr int select_blocks_per_sm(int columns_in_flight) {
-  return columns_in_flight == 1 ? 12 : 8;
+// Adjacent columns a selection thread takes per loop step (the kernel's template argument): 1,
+// or 4 where N % 4 == 0, each split's four partials then in one 8-byte load and all of the step's
+// loads in flight at once: at N = 512 a thread's whole share in one round trip instead of four
+// (one column at a time; two at a time measured 8.8 -> 8.2 us at B = 1024, NOTES). Four need
+// ~64 registers, 8 CTAs per SM instead of 12 (2.6 waves -> 3.9 at B = 4096, where two at a time
+// cost +2.2 us), so only where the rows fit in one wave of 8 per SM.
+__host__ __device__ constexpr int select_blocks_per_sm(int columns_per_thread) {
+  return columns_per_thread == 1 ? 12 : 8;
 }
-inline int select_columns_in_flight(int64_t batch, int sms) {
-  return batch <= int64_t{select_blocks_per_sm(2)} * sms ? 2 : 1;
+inline int select_columns_per_thread(int64_t batch, int64_t n, int sms) {
+  return n % 4 == 0 && batch <= int64_t{select_blocks_per_sm(4)} * sms ? 4 : 1;
 }
 
 // One CTA per row, with every load it needs in flight together: the first version (a serial chain
@@ -563,10 +575,9 @@ inline int select_columns_in_flight(int64_t batch, int sms) {
 // rescoring's results (rescore_kernel: every column's arithmetic is the same in any slot, and the
 // arg-max rule orders by value, then index). 40 registers, no spill. The square roots' slow path
 // (arguments below 2^-101: zero and tiny rows; Inf, NaN) is a call, in warp 0 only.
-template <int kSplitBound, int kColumnsInFlight>
-__global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsInFlight))
+template <int kSplitBound, int kColumnsPerThread>
+__global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsPerThread))
     select_candidates_kernel(const SelectParams p) {
-  static_assert(kColumnsInFlight == 1 || kColumnsInFlight == 2, "see select_blocks_per_sm");
   wait_for_previous_grid();
   extern __shared__ float s_upper[];  // [n]
   __shared__ float s_value[kSelectWarps];
@@ -589,13 +600,25 @@ __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsI
 
   float best_lower = -INFINITY;
   bool whole_row = false;
-#pragma unroll(kColumnsInFlight)
-  for (int64_t col = threadIdx.x; col < p.n; col += kSelectThreads) {
-    float lo = -INFINITY, hi = INFINITY;
-    const Norms w_norms = load_norms(p.w_norms + col * p.w_norms_stride);
-    whole_row |= !column_value_interval<kSplitBound>(p, row_index, col, x_norms, w_norms, lo, hi);
-    best_lower = fmaxf(best_lower, lo);
-    s_upper[col] = hi;
+  for (int64_t first = kColumnsPerThread * threadIdx.x; first < p.n;
+       first += kColumnsPerThread * kSelectThreads) {
+    float partials[kColumnsPerThread][kSplitBound];
+    load_split_partials<kSplitBound>(p, static_cast<uint32_t>(row_index + first), partials);
+    Norms w_norms[kColumnsPerThread];
+    float bias[kColumnsPerThread];
+#pragma unroll
+    for (int c = 0; c < kColumnsPerThread; ++c) {
+      w_norms[c] = load_norms(p.w_norms + (first + c) * p.w_norms_stride);
+      bias[c] = p.bias != nullptr ? __ldg(p.bias + first + c) : 0.f;
+    }
+#pragma unroll
+    for (int c = 0; c < kColumnsPerThread; ++c) {
+      float lo = -INFINITY, hi = INFINITY;
+      whole_row |= !column_value_interval(p, add_splits<kSplitBound>(p, partials[c]), bias[c],
+                                          x_norms, w_norms[c], lo, hi);
+      best_lower = fmaxf(best_lower, lo);
+      s_upper[first + c] = hi;
+    }
   }
   // Also the barrier after which every thread sees s_upper.
   best_lower = block_max<kSelectWarps>(best_lower, whole_row, s_value, s_flag);
