@@ -697,7 +697,7 @@ struct Selection {
 
 // Calls f(std::integral_constant<int, bound>) with the smallest power of two bound at or above
 // splits, kMaxBound for anything above it: the kernels that sum split partials with all their
-// loads at once (sum_few_splits, column_split_sum) are compiled for these bounds (the certified
+// loads at once (sum_few_splits, load_split_partials) are compiled for these bounds (the certified
 // selection, forward_certified.cuh, up to certified::kMaxSplits; the epilogue up to
 // kEpilogueMaxSplitBound).
 template <int kMaxBound, int kBound = 1, typename F>

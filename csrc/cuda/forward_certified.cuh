@@ -111,12 +111,11 @@ namespace cuda {
 namespace certified {
 
 // Splits of pass 1, at most (forward.cu's planner): the selection reads every split's partial of
-// every (row, column), all at once (column_split_sum), and its workspace (splits x rows x N
-// partials, plus x's split sums and the candidate lists) then stays at or below 8 x rows x N
-// floats, under one [B, O] tensor for pooling windows k >= 9 (docs/input_classes.md). The default
-// shape takes 8 anyway (16 tiles x 8 = 128 CTAs). The certified path runs on one workspace slice
-// (rows x N <= forward.cu's kMaxWorkspaceFloats = 2^22), so kMaxSplits x rows x N offsets fit in
-// an int.
+// every (row, column), all at once (load_split_partials), and its workspace (splits x rows x N
+// bfloat16 partials, plus x's split sums and the candidate lists) then stays within 4 x rows x N
+// floats and the per-row lists (docs/input_classes.md). The default shape takes 8 anyway (16 tiles
+// x 8 = 128 CTAs). The certified path runs on one workspace slice (rows x N <= forward.cu's
+// kMaxWorkspaceFloats = 2^22), so kMaxSplits x rows x N offsets fit in an int.
 constexpr int kMaxSplits = 8;
 
 // Candidates kept per row; a row with more is rescored whole (benchmarks/simulate_certified.py,

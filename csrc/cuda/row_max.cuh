@@ -46,7 +46,7 @@ __device__ __forceinline__ Candidate warp_argmax(Candidate c) {
 // Split partials loaded before they are added (in split order), per thread: memory-level
 // parallelism against registers. The epilogue (forward.cu) loads this many at a time only past its
 // split bound of 64; up to that, and in the certified path's kernels, every split's load is issued
-// at once (sum_few_splits; the certified selection's column_split_sum).
+// at once (sum_few_splits; the certified selection's load_split_partials).
 constexpr int kSplitBatch = 8;
 
 // z = partial[0][col] + partial[1][col] + ... (split order), loads issued kBatch at a time.
