@@ -58,7 +58,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
   if (batch == 0) return {out, argmax, preactivation};
 
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const at::Tensor weight_t = weight.t();
+  // BLAS sees contiguous operands whatever the caller's layout (stride-0 or overlapping rows): a
+  // view and its contiguous copy then give the same bits. Given the view itself, at::mm took
+  // another kernel on an AMD EPYC host (the rows' sums rounded differently) and not on others.
+  const at::Tensor weight_t = weight.contiguous().t();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "forward_with_argmax_cpu", [&] {
     const scalar_t s = static_cast<scalar_t>(scale);
     const scalar_t* bias_ptr = bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr;
@@ -67,7 +70,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
     scalar_t* pre_ptr = preactivation.mutable_data_ptr<scalar_t>();
     for (int64_t row0 = 0; row0 < batch; row0 += kRowsPerBlock) {
       const int64_t rows = std::min(kRowsPerBlock, batch - row0);
-      const at::Tensor product = at::mm(x.narrow(0, row0, rows), weight_t);  // [rows, N]
+      const at::Tensor product =
+          at::mm(x.narrow(0, row0, rows).contiguous(), weight_t);  // [rows, N]
       const scalar_t* z_rows = product.const_data_ptr<scalar_t>();
       at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
