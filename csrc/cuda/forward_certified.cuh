@@ -551,10 +551,10 @@ constexpr int kSelectThreads = 128;
 constexpr int kSelectWarps = kSelectThreads / 32;
 // Adjacent columns a selection thread takes per loop step (the kernel's template argument): 1,
 // or 4 where N % 4 == 0, each split's four partials then in one 8-byte load and all of the step's
-// loads in flight at once: at N = 512 a thread's whole share in one round trip instead of four
-// (one column at a time; two at a time measured 8.8 -> 8.2 us at B = 1024, NOTES). Four need
-// ~64 registers, 8 CTAs per SM instead of 12 (2.6 waves -> 3.9 at B = 4096, where two at a time
-// cost +2.2 us), so only where the rows fit in one wave of 8 per SM.
+// loads in flight at once: at N = 512 a thread's whole share in one round trip instead of four.
+// Four need 64 registers, 8 CTAs per SM instead of 12: measured on the H200 (NOTES), selection
+// 8.4 -> 7.0 us at B = 1024, whose rows fit in one wave of 8 per SM, but 19.0 -> 19.6-20.1 at
+// 4096 (3.9 waves instead of 2.6), so four only where the rows fit in one such wave.
 __host__ __device__ constexpr int select_blocks_per_sm(int columns_per_thread) {
   return columns_per_thread == 1 ? 12 : 8;
 }
@@ -572,8 +572,9 @@ inline int select_columns_per_thread(int64_t batch, int64_t n, int sms) {
 // of the lower ends. Each candidate takes its slot in the row's list from a shared counter: the
 // list's order depends on the warps' timing, its contents and count do not, and neither do the
 // rescoring's results (rescore_kernel: every column's arithmetic is the same in any slot, and the
-// arg-max rule orders by value, then index). 40 registers, no spill. The square roots' slow path
-// (arguments below 2^-101: zero and tiny rows; Inf, NaN) is a call, in warp 0 only.
+// arg-max rule orders by value, then index). 40 registers with one column per thread, 64 with four
+// (at 8 splits), no spill. The square roots' slow path (arguments below 2^-101: zero and tiny rows;
+// Inf, NaN) is a call, in warp 0 only.
 template <int kSplitBound, int kColumnsPerThread>
 __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsPerThread))
     select_candidates_kernel(const SelectParams p) {
