@@ -7,8 +7,8 @@ Every forward path runs: the default (on an sm_90a build on Hopper the certified
 rows, 288 with the prepared weight that ModelNew keeps under no_grad, the 3xTF32 wgmma GEMM below),
 each of those two forced for every batch (FUSED_POOL_GELU_CERTIFIED=1 / 0), and the portable
 mma.sync GEMM (FUSED_POOL_GELU_FORCE_MMA_SYNC=1). The certified pass 1's two partial stores (packed
-where N % 4 == 0, one value at a time elsewhere) and the selection's two kernels (two columns in
-flight up to 8 rows per SM, one above) all run.
+where N % 4 == 0, one value at a time elsewhere) and the selection's two kernels (four adjacent
+columns per thread where N % 4 == 0 and B <= 8 x SMs, one column elsewhere) all run.
 """
 
 import os
