@@ -15,8 +15,8 @@ a power of two; --operands tf32 truncates both to TF32, the first certified pass
 to bfloat16, bf16-weight only the weight: what-ifs, the bound takes the residual norms of whichever
 format), float32 products and sums per split, each split's partial rounded to bfloat16, as the
 kernel stores it, with the bound's step 6 for that ((2^-8 + gamma_{S+1}) sum |p^_s| + gamma_{S+1}
-|bias| more; --partials float32: the float32 partials of the kernel before 2026-11-30), then split
-sums and bias in float32. The bound (with the rows' residual norms) and the interval GELU use the
+|bias| more; --partials float32: the float32 partials of the kernel before e722ff6), then split sums
+and bias in float32. The bound (with the rows' residual norms) and the interval GELU use the
 kernel's constants (computed here in float64, which only makes them marginally tighter). Prints, per
 seed: the largest |z~ - z64| / E (must stay below 1), the mean E relative to the spread of z, the
 candidates per row (mean, quantiles, rows over the kernel's 64) and whether the float64 arg-max was
