@@ -159,27 +159,32 @@ def test_fp16_rounding_reverses_the_order_and_the_rescoring_restores_it(
 
 
 def test_split_partials_that_cancel(certified, check_forward):
-    # Pass 1 stores its split partials in bfloat16 (8 significant bits): here they are ~2048 and
-    # cancel to z ~ 8, so their rounding (up to 8 each) dwarfs every other error. x = 1 and weights
-    # +2 on K's first half, -2 on its second: at 8 splits of 1024 (the planner's choice for one
-    # tile at K = 8192) the first four partials are 2048, the last four -2048, and the first one
-    # also carries column A's 7.875 (2055.875 rounds down to 2048) or column B's 8.5 (2056.5
-    # rounds up to 2064). Every value is exact in fp16 once scaled, so pass 1 loses nothing else:
-    # B's z~ = 16 - 1 = 15 exceeds A's 0 by far more than the bound's other terms (~2.5), while A's
-    # exact z = 7.875 beats B's 7.5. Without the storage's term the selection would drop A.
+    # Pass 1 stores its split partials in bfloat16 (8 significant bits): here two of them are ~128
+    # and cancel to z < 1, so their rounding (up to 0.5 each) dwarfs every other error. x is 1 on
+    # K's first and last 64-wide tiles (0 elsewhere), the weights +2 on the first and -2 on the
+    # last: pass 1 splits K in whole tiles and, for one output tile at K = 8192, into several (8 of
+    # 16 tiles on the H200), so whatever the split count the first split's partial is 128 and the
+    # last one's -128. The first also carries column A's 0.4375 (128.4375 rounds down to 128) or
+    # column B's 0.53125 (128.53125 rounds up to 129). Every value is exact in fp16 once scaled, so
+    # pass 1 loses nothing else: B's z~ = 1 - 0.25 exceeds A's 0 by far more than the bound's other
+    # terms (~0.04: the accumulation's g ||x|| ||w||, g ~ 1.5e-4), while A's exact z = 0.4375 beats
+    # B's 0.28125. Without the storage's term (~1 here) the selection would drop A.
     batch, in_features, pooled = 64, 8192, 8
     column_a, column_b = 2, 5
-    x = torch.ones(batch, in_features, device=DEVICE)
-    weight = torch.full((pooled, in_features), 2.0, device=DEVICE)
-    weight[:, in_features // 2:] = -2.0
-    weight[column_a, 0] += 7.875
-    weight[column_b, 0] += 8.5
+    x = torch.zeros(batch, in_features, device=DEVICE)
+    x[:, :64] = 1.0
+    x[:, -64:] = 1.0
+    weight = torch.zeros(pooled, in_features, device=DEVICE)
+    weight[:, :64] = 2.0
+    weight[:, -64:] = -2.0
+    weight[column_a, 0] += 0.4375
+    weight[column_b, 0] += 0.53125
     bias = torch.full((pooled,), -100.0, device=DEVICE)
     bias[column_a] = 0.0
-    bias[column_b] = -1.0
+    bias[column_b] = -0.25
     # The premise: bfloat16 reverses the two columns' order.
-    assert float(torch.tensor(2048 + 7.875).bfloat16()) == 2048.0
-    assert float(torch.tensor(2048 + 8.5).bfloat16()) == 2064.0
+    assert float(torch.tensor(128 + 0.4375).bfloat16()) == 128.0
+    assert float(torch.tensor(128 + 0.53125).bfloat16()) == 129.0
     out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((argmax == column_a).all())
