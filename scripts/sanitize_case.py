@@ -4,7 +4,7 @@ Shapes are small (the tools slow kernels down 10-100x) but odd, so that every ta
 small-batch (row-parallel and split-K GEMV) and the tensor-core forward paths, the misaligned slow
 path and the backward (its ops on their own too) all run.
 Every forward path runs: the default (on an sm_90a build on Hopper the certified path from 513
-rows, 288 with the prepared weight that ModelNew keeps under no_grad, the 3xTF32 wgmma GEMM below),
+rows, 257 with the prepared weight that ModelNew keeps under no_grad, the 3xTF32 wgmma GEMM below),
 each of those two forced for every batch (FUSED_POOL_GELU_CERTIFIED=1 / 0), and the portable
 mma.sync GEMM (FUSED_POOL_GELU_FORCE_MMA_SYNC=1). The certified pass 1's two partial stores (packed
 where N % 4 == 0, one value at a time elsewhere) and the selection's two kernels (four adjacent

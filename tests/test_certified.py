@@ -1,5 +1,5 @@
 """The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch =
-513 rows, 288 with a prepared weight; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies):
+513 rows, 257 with a prepared weight; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies):
 a single-pass GEMM on scaled fp16 copies of the rows with a proven error bound, then float32
 rescoring of the columns that may still hold each row's maximum.
 
@@ -312,8 +312,8 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
     assert int((counts[light] == 1).sum()) > 0
 
 
-# kCertifiedMinBatch = 513 without a prepared weight, kCertifiedPreparedMinBatch = 288 with one.
-@pytest.mark.parametrize("prepared,batch", [(False, 512), (False, 513), (True, 287), (True, 288)])
+# kCertifiedMinBatch = 513 without a prepared weight, kCertifiedPreparedMinBatch = 257 with one.
+@pytest.mark.parametrize("prepared,batch", [(False, 512), (False, 513), (True, 256), (True, 257)])
 def test_the_default_takes_the_certified_path_from_its_batch(prepared, batch, certified,
                                                              monkeypatch):
     x = torch.rand(batch, 2048, device=DEVICE)
@@ -328,6 +328,6 @@ def test_the_default_takes_the_certified_path_from_its_batch(prepared, batch, ce
     # The two paths round differently (float32 dot products in another order): some output
     # differs in its last bits, and the default matches exactly one of them bitwise.
     assert not all(torch.equal(a, b) for a, b in zip(forced, off))
-    expected = forced if batch >= (288 if prepared else 513) else off
+    expected = forced if batch >= (257 if prepared else 513) else off
     for a, b in zip(default, expected):
         assert torch.equal(a, b)

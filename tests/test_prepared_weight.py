@@ -2,7 +2,7 @@
 
 The layout is checked against a float64 reading of the weight on every device; the forward with a
 prepared weight must give the same bits as without it where both calls take the same path (not
-from 288 to 512 rows on sm_90a, where only the call with it takes the certified path:
+from 257 to 512 rows on sm_90a, where only the call with it takes the certified path:
 test_certified.py::test_the_default_takes_the_certified_path_from_its_batch), and must refuse a
 prepared weight that no longer matches its weight. On CUDA the certified path (forced on) is where the copy is read.
 """
@@ -121,7 +121,7 @@ def test_other_dtypes_are_prepared_from_their_float32_values(dtype, device):
 
 
 # Batches where the calls with and without a prepared weight take the same path by default (not
-# 288-512 rows: see the module's docstring).
+# 257-512 rows: see the module's docstring).
 @pytest.mark.parametrize("batch,in_features,pooled", [(1024, 512, 96), (33, 100, 7), (3, 77, 5)])
 @pytest.mark.parametrize("certified_mode", ["default", "forced"])
 def test_forward_gives_the_same_bits_with_and_without(

@@ -80,9 +80,13 @@ constexpr int64_t kSimtMaxBatch = 32;
 // 326.8. Pass 1 takes 20-26 us from 256 to 1024 rows (too few 128-row tiles to fill the GPU without
 // splits), and 3xTF32 steps with its 128-row tiles (at 257 and 513); the switches sit where
 // certified wins at every measured batch from there on: the fifth tile's first row without a
-// prepared weight, 288 rows with one.
+// prepared weight, the third tile's first row with one. That step, with a prepared weight, on the
+// kernels of commit ebdb81c (profile_forward.py, 2026-11-30 10:19 UTC, two rounds): certified 36.1
+// / 36.4 against 32.1 / 32.1 at B = 256, 36.6 / 37.7 against 39.5 / 39.5 at 257, 36.7 / 37.5
+// against 39.4 / 39.3 at 264, 36.1 / 35.8 against 41.7 / 41.7 at 272, 37.7 / 37.7 against 42.0 /
+// 42.0 at 287 (own times at 257: 34.1 against 36.2).
 constexpr int64_t kCertifiedMinBatch = 4 * fg::kPass1BlockM + 1;
-constexpr int64_t kCertifiedPreparedMinBatch = 288;
+constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kPass1BlockM + 1;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
