@@ -4,7 +4,8 @@ The layout is checked against a float64 reading of the weight on every device; t
 prepared weight must give the same bits as without it where both calls take the same path (not
 from 257 to 512 rows on sm_90a, where only the call with it takes the certified path:
 test_certified.py::test_the_default_takes_the_certified_path_from_its_batch), and must refuse a
-prepared weight that no longer matches its weight. On CUDA the certified path (forced on) is where the copy is read.
+prepared weight that no longer matches its weight. On CUDA the certified path (forced on) is where
+the copy is read.
 """
 
 import math
