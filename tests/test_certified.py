@@ -296,6 +296,7 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
     weight[20] = weight[7]
     weight[33] = weight[7]
     weight[[7, 20, 33], 0] = 1.0
+    bias[20] = bias[33] = bias[7]  # exact ties: the first column, 7, wins
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     kind = torch.randint(0, 5, (batch,), device=DEVICE, generator=gen)
     tied = kind == 0
