@@ -50,6 +50,9 @@ case ${1:-} in
     jobs=$(( $(nproc) / ${#names[@]} )); [ "$jobs" -ge 1 ] || jobs=1
     pids=()
     for name in "${names[@]}"; do
+      # pip install --target keeps a package already there: on a machine still warm from an
+      # earlier call, the old build would be the one timed.
+      rm -rf "${PKGS:?}/$name"
       (cd "$TREES/$name" && env MAX_JOBS=$jobs NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
          FUSED_POOL_GELU_CUDA=1 timeout -s KILL 600 python3 -m pip install --no-build-isolation \
          --no-deps -q --target "$PKGS/$name" . > "$OUT/build_$name.log" 2>&1
