@@ -85,8 +85,8 @@ constexpr int64_t kSimtMaxBatch = 32;
 // / 36.4 against 32.1 / 32.1 at B = 256, 36.6 / 37.7 against 39.5 / 39.5 at 257, 36.7 / 37.5
 // against 39.4 / 39.3 at 264, 36.1 / 35.8 against 41.7 / 41.7 at 272, 37.7 / 37.7 against 42.0 /
 // 42.0 at 287 (own times at 257: 34.1 against 36.2).
-constexpr int64_t kCertifiedMinBatch = 4 * fg::kPass1BlockM + 1;
-constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kPass1BlockM + 1;
+constexpr int64_t kCertifiedMinBatch = 4 * fg::kTcBlockM + 1;
+constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kTcBlockM + 1;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
