@@ -272,9 +272,16 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
     names = _gemm_kernels_run(run)
     assert any("wgmma" in n for n in names), names
+    # The GEMV serves up to 16 rows here (32 elsewhere, and under the knob below).
+    for batch, kernel in [(16, "simt_splitk"), (17, "wgmma"), (32, "wgmma")]:
+        x_b, weight_b, bias_b = make_inputs(batch, 1024, 256, torch.float32, DEVICE)
+        names = _gemm_kernels_run(lambda: ops.forward_with_argmax(x_b, weight_b, bias_b, 2.0))
+        assert names and all(kernel in n for n in names), (batch, names)
     monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
     names = _gemm_kernels_run(run)
     assert names and not any("wgmma" in n for n in names), names
+    names = _gemm_kernels_run(lambda: ops.forward_with_argmax(x[:32], weight, bias, 2.0))
+    assert names and all("simt_splitk" in n for n in names), names
 
 
 # The SIMT GEMV's split count at B = 8 and N <= 16 is K / 256 (one 256-float chunk per split, up to
@@ -295,7 +302,7 @@ def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs,
     assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
 
 
-# Shapes that reach the tensor-core kernels (B > 32): tails in every dimension, K % 4 != 0, one
+# Shapes that reach the tensor-core kernels (B > 32; B > 16 where the wgmma GEMM serves): tails in every dimension, K % 4 != 0, one
 # K tile, several splits, and the default shape.
 TC_SHAPES = [(33, 5, 7), (100, 257, 130), (1000, 4099, 513), (129, 32, 129), (1024, 8192, 512)]
 

@@ -64,8 +64,12 @@ namespace fg = forward_gemm;
 
 // Batches up to this size take the SIMT GEMV (exact fp32 FMA; the weight is streamed once and the
 // FMA work, B x N x K, is still small next to it); larger ones the 3xTF32 tensor-core GEMM, whose
-// 128-row tiles are mostly padding below ~32 rows.
+// 128-row tiles are mostly padding below ~32 rows. Where the wgmma GEMM serves (sm_90a) it wins
+// from 17 rows, where the GEMV's batch tile grows from 16 to 32 rows: on the H200 (default shape,
+// the benchmarks' data, 2026-11-30 12:17-12:18 UTC) the GEMV takes 17.0-17.3 us at B = 12-16 and
+// 25.4-26.0 at B = 20-32, the wgmma GEMM 21.6-21.7 at every B from 12 to 32.
 constexpr int64_t kSimtMaxBatch = 32;
+constexpr int64_t kSimtMaxBatchWgmma = 16;
 
 // The certified path (see the top) from this batch on: kCertifiedMinBatch rows when it makes the
 // weight's fp16 copy itself, kCertifiedPreparedMinBatch when the caller passes one
@@ -430,12 +434,17 @@ int64_t plan_k_tiles_per_split(int64_t tiles, int64_t k_tiles, int64_t slots, in
   return best_k_tiles_per_split;
 }
 
+// Whether the tensor-core GEMM is the wgmma one here (else mma.sync).
+bool wgmma_serves(const DeviceInfo& info) {
+  return info.wgmma_ctas_per_sm > 0 && !force_mma_sync();
+}
+
 TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
                int64_t split_cap) {
   static_assert(fg::kWgBlockM == fg::kTcBlockM && fg::kWgBlockN == fg::kTcBlockN &&
                     fg::kWgBlockK == fg::kTcBlockK,
                 "one split-K plan for both tensor-core kernels");
-  const bool wgmma = info.wgmma_ctas_per_sm > 0 && !force_mma_sync();
+  const bool wgmma = wgmma_serves(info);
   const int64_t tiles =
       ceil_div(batch, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
   const int64_t k_tiles = ceil_div(k_padded, int64_t{fg::kTcBlockK});
@@ -560,7 +569,8 @@ GemmPlan plan_gemm(const DeviceInfo& info, bool rowwise, int64_t rows, int64_t n
   if (rowwise) {
     plan.kind = GemmPlan::Kind::kRowwise;
     plan.splits = 1;
-  } else if (rows <= kSimtMaxBatch || info.tc_ctas_per_sm == 0) {
+  } else if (rows <= (wgmma_serves(info) ? kSimtMaxBatchWgmma : kSimtMaxBatch) ||
+             info.tc_ctas_per_sm == 0) {
     plan.kind = GemmPlan::Kind::kSimt;
     plan.simt = plan_simt(info, rows, n, k_padded, split_cap);
     plan.splits = plan.simt.splits;
