@@ -272,11 +272,20 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
     names = _gemm_kernels_run(run)
     assert any("wgmma" in n for n in names), names
-    # The GEMV serves up to 16 rows here (32 elsewhere, and under the knob below).
-    for batch, kernel in [(16, "simt_splitk"), (17, "wgmma"), (32, "wgmma")]:
-        x_b, weight_b, bias_b = make_inputs(batch, 1024, 256, torch.float32, DEVICE)
+    # The GEMV serves up to 16 rows here, up to 32 (as elsewhere, and under the knob below) where
+    # the weight has at most 2^21 floats or the wgmma grid would leave SMs idle (forward.cu,
+    # kSimtMaxBatchWgmma): N x K = 512 x 4100 fills 132 CTAs, 128 x 16400 only 64.
+    cases = [
+        (16, 4100, 512, "simt_splitk"),
+        (17, 4100, 512, "wgmma"),
+        (32, 4100, 512, "wgmma"),
+        (17, 4096, 512, "simt_splitk"),
+        (32, 16400, 128, "simt_splitk"),
+    ]
+    for batch, in_features, pooled, kernel in cases:
+        x_b, weight_b, bias_b = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
         names = _gemm_kernels_run(lambda: ops.forward_with_argmax(x_b, weight_b, bias_b, 2.0))
-        assert names and all(kernel in n for n in names), (batch, names)
+        assert names and all(kernel in n for n in names), (batch, in_features, pooled, names)
     monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
     names = _gemm_kernels_run(run)
     assert names and not any("wgmma" in n for n in names), names
@@ -302,9 +311,19 @@ def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs,
     assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
 
 
-# Shapes that reach the tensor-core kernels (B > 32; B > 16 where the wgmma GEMM serves): tails in every dimension, K % 4 != 0, one
-# K tile, several splits, and the default shape.
-TC_SHAPES = [(33, 5, 7), (100, 257, 130), (1000, 4099, 513), (129, 32, 129), (1024, 8192, 512)]
+# Shapes that reach the tensor-core kernels (B > 32; from 17 rows with the wgmma GEMM on large
+# weights): tails in every dimension, K % 4 != 0, one K tile, splits of one K tile each (9 at
+# K = 257, the plan's 64 at K = 2048 with one output tile; the wgmma GEMM from 17 rows), and the
+# default shape.
+TC_SHAPES = [
+    (33, 5, 7),
+    (100, 257, 130),
+    (40, 2048, 128),
+    (20, 4100, 600),
+    (1000, 4099, 513),
+    (129, 32, 129),
+    (1024, 8192, 512),
+]
 
 
 # "default": what the op picks (on sm_90a the certified path from 513 rows: these tests pass no

@@ -64,12 +64,19 @@ namespace fg = forward_gemm;
 
 // Batches up to this size take the SIMT GEMV (exact fp32 FMA; the weight is streamed once and the
 // FMA work, B x N x K, is still small next to it); larger ones the 3xTF32 tensor-core GEMM, whose
-// 128-row tiles are mostly padding below ~32 rows. Where the wgmma GEMM serves (sm_90a) it wins
-// from 17 rows, where the GEMV's batch tile grows from 16 to 32 rows: on the H200 (default shape,
-// the benchmarks' data, 2026-11-30 12:17-12:18 UTC) the GEMV takes 17.0-17.3 us at B = 12-16 and
-// 25.4-26.0 at B = 20-32, the wgmma GEMM 21.6-21.7 at every B from 12 to 32.
+// 128-row tiles are mostly padding below ~32 rows.
 constexpr int64_t kSimtMaxBatch = 32;
+
+// Where the wgmma GEMM serves (sm_90a), it takes over from kSimtMaxBatchWgmma + 1 rows (where the
+// GEMV's batch tile grows from 16 to 32 rows) when the weight holds more than
+// kWgmmaSmallBatchMinWeightFloats floats and the GEMM's grid keeps kMinBusySmPercent of the SMs
+// busy. H200 own times (profile_forward.py, B = 24 / 32, 2026-11-30 13:00-13:10 UTC), GEMV against
+// wgmma: N x K = 512 x 8192 (16 MB) 18.3 against 14.5 us, 512 x 12288 29.9 / 22.9, 512 x 6144
+// 19.1 / 16.0; at 8 MB 512 x 4096 15.3 / 13.7, 256 x 8192 13.7 / 13.4, 128 x 16384 13.0 / 15.9
+// (one N tile: 64 CTAs, kTcMaxSplits); below, the GEMV wins: 256 x 4096 9.9 / 11.1, 512 x 1024
+// 8.8 / 9.6, 128 x 2048 6.4 / 7.5.
 constexpr int64_t kSimtMaxBatchWgmma = 16;
+constexpr int64_t kWgmmaSmallBatchMinWeightFloats = int64_t{1} << 21;
 
 // The certified path (see the top) from this batch on: kCertifiedMinBatch rows when it makes the
 // weight's fp16 copy itself, kCertifiedPreparedMinBatch when the caller passes one
@@ -94,10 +101,11 @@ constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kTcBlockM + 1;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
-// each, keep at least this share of the SMs busy (each SM then streams its own rows at its share
-// of DRAM bandwidth); fewer rows would leave SMs idle and take the split-K GEMV. At the default
-// shape: 128 CTAs on 132 SMs.
-constexpr int64_t kRowwiseMinBusySmPercent = 75;
+// each, keep at least kMinBusySmPercent of the SMs busy (each SM then streams its own rows at its
+// share of DRAM bandwidth); fewer rows would leave SMs idle and take the split-K GEMV. At the
+// default shape: 128 CTAs on 132 SMs. The same share decides whether the wgmma GEMM's grid is wide
+// enough to replace the GEMV from kSimtMaxBatchWgmma + 1 rows.
+constexpr int64_t kMinBusySmPercent = 75;
 
 // The SIMT GEMV aims at one full wave of resident CTAs (all weight loads in flight at once), but
 // at most this many CTAs per SM: more, smaller CTAs would only add split-K partials for the
@@ -106,12 +114,16 @@ constexpr int kSimtMaxCtasPerSm = 4;
 
 // Split-K of the tensor-core GEMM: the number of splits s minimizes waves(tiles x s) x ceil(k_tiles
 // / s), the time in k-tile steps of the slowest SM (ties -> fewer splits, less workspace). s is at
-// most kTcMaxSplits, leaves each split at least kTcMinKTilesPerSplit K tiles so the cp.async
-// pipeline (kTcStages deep) has work to overlap, and may not push the grid past kTcMaxSplitWaves
-// waves: splitting is for filling the GPU (B = 1024: 32 tiles -> 4 splits), not for shaving the
-// last partial wave of a grid that is already large (the workspace and epilogue grow with s).
+// most kTcMaxSplits and may not push the grid past kTcMaxSplitWaves waves: splitting is for filling
+// the GPU (B = 1024: 32 tiles -> 4 splits), not for shaving the last partial wave of a grid that is
+// already large (the workspace and epilogue grow with s). A split may be a single K tile: its CTA
+// then issues all its loads at once, and a small K still fills the GPU. (Splits of at least 8 K
+// tiles, before 2026-11-30, left small-K grids a few CTAs wide, each streaming 256 KB alone: H200
+// own times at B = 40 / 128, wgmma, N x K = 128 x 2048: 14.5 / 15.2 us -> 7.6 / 9.0 with
+// single-tile splits; 512 x 1024: 15.5 / 16.4 -> 9.6 / 11.9; 256 x 4096 at B = 64 / 128: 15.1 /
+// 16.0 -> 11.6 / 13.5; mma.sync (FUSED_POOL_GELU_FORCE_MMA_SYNC) 19.4 / 21.2 -> 7.5 / 9.0 at 128
+// x 2048; the default shape's plans unchanged.)
 constexpr int64_t kTcMaxSplits = 64;
-constexpr int64_t kTcMinKTilesPerSplit = 8;
 constexpr int64_t kTcMaxSplitWaves = 4;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
@@ -418,7 +430,7 @@ struct TcPlan {
 // the split count s minimizes waves(tiles x s) x ceil(k_tiles / s) (see kTcMaxSplits).
 int64_t plan_k_tiles_per_split(int64_t tiles, int64_t k_tiles, int64_t slots, int64_t split_cap) {
   const int64_t max_splits = std::max<int64_t>(
-      1, std::min({kTcMaxSplits, k_tiles / kTcMinKTilesPerSplit, split_cap}));
+      1, std::min({kTcMaxSplits, k_tiles, split_cap}));
   int64_t best_cost = std::numeric_limits<int64_t>::max();
   int64_t best_k_tiles_per_split = k_tiles;
   for (int64_t s = 1; s <= max_splits; ++s) {
@@ -497,9 +509,14 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
   });
 }
 
+// Whether a grid of `ctas` CTAs keeps at least kMinBusySmPercent of the SMs busy.
+bool keeps_sms_busy(const DeviceInfo& info, int64_t ctas) {
+  return 100 * ctas >= kMinBusySmPercent * info.sms;
+}
+
 bool use_rowwise(const DeviceInfo& info, int64_t batch, int64_t n) {
   const int64_t ctas = ceil_div(n, int64_t{fg::kRowwiseRows});
-  return batch <= fg::kRowwiseMaxBatch && 100 * ctas >= kRowwiseMinBusySmPercent * info.sms;
+  return batch <= fg::kRowwiseMaxBatch && keeps_sms_busy(info, ctas);
 }
 
 void launch_rowwise(const Operand& x, const Operand& w, float* dot_products, int64_t batch,
@@ -555,6 +572,17 @@ int64_t rows_per_slice(int64_t batch, int64_t n) {
   return rows >= fg::kTcBlockM ? rows / fg::kTcBlockM * fg::kTcBlockM : rows;
 }
 
+// Whether the SIMT GEMV, rather than a tensor-core GEMM, runs a slice of `rows` rows (see
+// kSimtMaxBatch and kSimtMaxBatchWgmma).
+bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padded,
+                 int64_t split_cap) {
+  if (rows <= kSimtMaxBatchWgmma || info.tc_ctas_per_sm == 0) return true;
+  if (rows > kSimtMaxBatch) return false;
+  if (!wgmma_serves(info) || n * k_padded <= kWgmmaSmallBatchMinWeightFloats) return true;
+  const int64_t tiles = ceil_div(rows, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
+  return !keeps_sms_busy(info, tiles * plan_tc(info, rows, n, k_padded, split_cap).splits);
+}
+
 // Which GEMM runs a slice of `rows` rows, and its split-K plan (at most split_cap splits).
 struct GemmPlan {
   enum class Kind { kRowwise, kSimt, kTc } kind;
@@ -569,8 +597,7 @@ GemmPlan plan_gemm(const DeviceInfo& info, bool rowwise, int64_t rows, int64_t n
   if (rowwise) {
     plan.kind = GemmPlan::Kind::kRowwise;
     plan.splits = 1;
-  } else if (rows <= (wgmma_serves(info) ? kSimtMaxBatchWgmma : kSimtMaxBatch) ||
-             info.tc_ctas_per_sm == 0) {
+  } else if (simt_serves(info, rows, n, k_padded, split_cap)) {
     plan.kind = GemmPlan::Kind::kSimt;
     plan.simt = plan_simt(info, rows, n, k_padded, split_cap);
     plan.splits = plan.simt.splits;
