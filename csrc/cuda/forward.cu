@@ -124,6 +124,9 @@ constexpr int kSimtMaxCtasPerSm = 4;
 // 16.0 -> 11.6 / 13.5; mma.sync (FUSED_POOL_GELU_FORCE_MMA_SYNC) 19.4 / 21.2 -> 7.5 / 9.0 at 128
 // x 2048; the default shape's plans unchanged.)
 constexpr int64_t kTcMaxSplits = 64;
+// The certified pass 1 plans its splits the same way but keeps at least 8 of its 64-wide K tiles
+// per split, as it was measured (K < 4096 at B >= 257 only: shorter splits there are untried).
+constexpr int64_t kPass1MinKTilesPerSplit = 8;
 constexpr int64_t kTcMaxSplitWaves = 4;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
@@ -427,10 +430,12 @@ struct TcPlan {
 };
 
 // K tiles per split for `tiles` output tiles of k_tiles K tiles each on `slots` resident CTAs:
-// the split count s minimizes waves(tiles x s) x ceil(k_tiles / s) (see kTcMaxSplits).
-int64_t plan_k_tiles_per_split(int64_t tiles, int64_t k_tiles, int64_t slots, int64_t split_cap) {
+// the split count s minimizes waves(tiles x s) x ceil(k_tiles / s) (see kTcMaxSplits), each split
+// at least min_k_tiles long.
+int64_t plan_k_tiles_per_split(int64_t tiles, int64_t k_tiles, int64_t slots, int64_t split_cap,
+                               int64_t min_k_tiles) {
   const int64_t max_splits = std::max<int64_t>(
-      1, std::min({kTcMaxSplits, k_tiles, split_cap}));
+      1, std::min({kTcMaxSplits, k_tiles / min_k_tiles, split_cap}));
   int64_t best_cost = std::numeric_limits<int64_t>::max();
   int64_t best_k_tiles_per_split = k_tiles;
   for (int64_t s = 1; s <= max_splits; ++s) {
@@ -464,7 +469,7 @@ TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padde
                         (wgmma ? info.wgmma_ctas_per_sm : info.tc_ctas_per_sm);
   TcPlan plan{};
   plan.wgmma = wgmma;
-  plan.k_per_split = plan_k_tiles_per_split(tiles, k_tiles, slots, split_cap) * fg::kTcBlockK;
+  plan.k_per_split = plan_k_tiles_per_split(tiles, k_tiles, slots, split_cap, 1) * fg::kTcBlockK;
   plan.splits = ceil_div(k_padded, plan.k_per_split);
   return plan;
 }
@@ -794,7 +799,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
       std::min(int64_t{certified::kMaxSplits}, kMaxWorkspaceFloats / (batch * n));
   const int64_t k_per_split =
       plan_k_tiles_per_split(tiles, ceil_div(k_padded, int64_t{fg::kPass1BlockK}), info.sms,
-                             split_cap) *
+                             split_cap, kPass1MinKTilesPerSplit) *
       fg::kPass1BlockK;
   const int64_t splits = ceil_div(k_padded, k_per_split);
   TORCH_CHECK(splits >= 1 && splits <= certified::kMaxSplits,
