@@ -584,7 +584,8 @@ bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padd
   if (rows <= kSimtMaxBatchWgmma || info.tc_ctas_per_sm == 0) return true;
   if (rows > kSimtMaxBatch) return false;
   if (!wgmma_serves(info) || n * k_padded <= kWgmmaSmallBatchMinWeightFloats) return true;
-  const int64_t tiles = ceil_div(rows, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
+  const int64_t tiles =
+      ceil_div(rows, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
   return !keeps_sms_busy(info, tiles * plan_tc(info, rows, n, k_padded, split_cap).splits);
 }
 
