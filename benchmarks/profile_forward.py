@@ -3,6 +3,7 @@
     python benchmarks/profile_forward.py                       # B in {1, 16, 32, 64, 128, 1024, 4096}
     python benchmarks/profile_forward.py --batches 1024 --out /tmp/profile.json
     python benchmarks/profile_forward.py --paths certified --prepared both --batches 1024 4096
+    python benchmarks/profile_forward.py --paths certified 3xtf32 --batches 513 1024 --shapes 1024x512 8192x128
 
 For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
 sm_90a build on Hopper: the certified path from 513 rows, 257 with --prepared, 3xTF32 below; "mma_sync": the portable
@@ -13,7 +14,7 @@ dependent launches, which start while the one before runs and wait for it; their
 the wait, their own time does not), the sum of the own times, and the call's median
 (fused_pool_gelu.timing, as bench_forward.py). Data: the benchmarks' (bench_forward.py): the folded
 weights of Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B; shape K =
-8192, N = 512 by default. The certified path's speed depends on the data (how many columns each row
+8192, N = 512 by default (-K, -N), or several in one process (--shapes KxN ...). The certified path's speed depends on the data (how many columns each row
 rescores): its rows also print the candidates per row (`_certified_candidate_counts`).
 """
 
@@ -70,6 +71,17 @@ def short_name(name):
     return name[:40]
 
 
+def shape(text):
+    """'KxN' -> (K, N), both positive."""
+    try:
+        k, n = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is KxN, e.g. 8192x512, got '{text}'") from None
+    if k <= 0 or n <= 0:
+        raise argparse.ArgumentTypeError(f"K and N must be positive, got '{text}'")
+    return k, n
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", nargs="+", choices=sorted(PATHS),
@@ -77,42 +89,54 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128, 1024, 4096])
     parser.add_argument("-K", type=int, default=8192)
     parser.add_argument("-N", type=int, default=512)
+    parser.add_argument("--shapes", type=shape, nargs="+", default=None, metavar="KxN",
+                        help="several (K, N) shapes, in this order (instead of -K and -N)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--prepared", choices=["no", "yes", "both"], default="no",
                         help="pass the weight's prepare_weight copy (made once) to every call")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
 
-    weight, bias = common.folded_weights(args.K, args.N * POOL, POOL)
-    prepared_weight = fused_pool_gelu.prepare_weight(weight)
     prepared_options = {"no": [False], "yes": [True], "both": [False, True]}[args.prepared]
     rows = []
-    for path in args.paths:
-        for name in SWITCHES:
-            os.environ.pop(name, None)
-        os.environ.update(PATHS[path])
-        for batch in args.batches:
-            gen = torch.Generator(device="cuda").manual_seed(batch)
-            x = torch.rand(batch, args.K, device="cuda", generator=gen)
-            for prepared in prepared_options:
-                kernels, median = profile(x, weight, bias, args.calls,
-                                          prepared_weight if prepared else None)
-                total = sum(times["own_us"] for times in kernels.values())
-                row = {"path": path, "B": batch, "K": args.K, "N": args.N, "prepared": prepared,
-                       "kernels_us": kernels, "own_sum_us": total, "median_us": median}
-                parts = ", ".join(f"{short_name(k)} {t['own_us']:.1f}/{t['device_us']:.1f}"
-                                  for k, t in kernels.items() if t["device_us"] > 0)
-                label = path + ("+prep" if prepared else "")
-                line = (f"{label:13s} B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us"
-                        f"  (own/device: {parts})")
-                if path == "certified":
-                    counts = row["candidates"] = candidate_counts(x, weight, bias)
-                    mean = "-" if counts["mean"] is None else f"{counts['mean']:.2f}"
-                    line += (f"; candidates per row {mean} mean, {counts['max']} max,"
-                             f" {counts['whole_rows']} rows whole")
-                rows.append(row)
-                print(line, flush=True)
+    for k, n in args.shapes or [(args.K, args.N)]:
+        if args.shapes:
+            print(f"K = {k}, N = {n}", flush=True)
+        weight, bias = common.folded_weights(k, n * POOL, POOL)
+        prepared_weight = fused_pool_gelu.prepare_weight(weight)
+        for path in args.paths:
+            for name in SWITCHES:
+                os.environ.pop(name, None)
+            os.environ.update(PATHS[path])
+            for batch in args.batches:
+                gen = torch.Generator(device="cuda").manual_seed(batch)
+                x = torch.rand(batch, k, device="cuda", generator=gen)
+                for prepared in prepared_options:
+                    rows.append(profile_row(path, x, weight, bias, args.calls,
+                                            prepared_weight if prepared else None))
     common.write_profile(args.out, rows)
+
+
+def profile_row(path, x, weight, bias, calls, prepared_weight):
+    """Profiles one call's configuration, prints its line and returns its row."""
+    kernels, median = profile(x, weight, bias, calls, prepared_weight)
+    total = sum(times["own_us"] for times in kernels.values())
+    batch, k = x.shape
+    prepared = prepared_weight is not None
+    row = {"path": path, "B": batch, "K": k, "N": weight.shape[0], "prepared": prepared,
+           "kernels_us": kernels, "own_sum_us": total, "median_us": median}
+    parts = ", ".join(f"{short_name(name)} {t['own_us']:.1f}/{t['device_us']:.1f}"
+                      for name, t in kernels.items() if t["device_us"] > 0)
+    label = path + ("+prep" if prepared else "")
+    line = (f"{label:13s} B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us"
+            f"  (own/device: {parts})")
+    if path == "certified":
+        counts = row["candidates"] = candidate_counts(x, weight, bias)
+        mean = "-" if counts["mean"] is None else f"{counts['mean']:.2f}"
+        line += (f"; candidates per row {mean} mean, {counts['max']} max,"
+                 f" {counts['whole_rows']} rows whole")
+    print(line, flush=True)
+    return row
 
 
 if __name__ == "__main__":
