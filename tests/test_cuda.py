@@ -274,7 +274,7 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
     assert any("wgmma" in n for n in names), names
     # The GEMV serves up to 16 rows here, up to 32 (as elsewhere, and under the knob below) where
     # the weight has at most 2^21 floats or the wgmma grid would leave SMs idle (forward.cu,
-    # kSimtMaxBatchWgmma): N x K = 512 x 4100 fills 132 CTAs, 128 x 16400 only 64.
+    # kSimtMaxBatchWgmma): N x K = 512 x 4100 fills 132 CTAs, 128 x 16400 only 57.
     cases = [
         (16, 4100, 512, "simt_splitk"),
         (17, 4100, 512, "wgmma"),
