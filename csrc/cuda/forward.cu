@@ -70,7 +70,7 @@ constexpr int64_t kSimtMaxBatch = 32;
 // Where the wgmma GEMM serves (sm_90a), it takes over from kSimtMaxBatchWgmma + 1 rows (where the
 // GEMV's batch tile grows from 16 to 32 rows) when the weight holds more than
 // kWgmmaSmallBatchMinWeightFloats floats and the GEMM's grid keeps kMinBusySmPercent of the SMs
-// busy. H200 own times (profile_forward.py, B = 24 / 32, 2026-11-30 13:00-13:10 UTC), GEMV against
+// busy. H200 own times (profile_forward.py, B = 24 / 32, 2026-11-30 12:59-13:14 UTC), GEMV against
 // wgmma: N x K = 512 x 8192 (16 MB) 18.3 against 14.5 us, 512 x 12288 29.9 / 22.9, 512 x 6144
 // 19.1 / 16.0; at 8 MB 512 x 4096 15.3 / 13.7, 256 x 8192 13.7 / 13.4, 128 x 16384 13.0 / 15.9
 // (one N tile: 64 CTAs, kTcMaxSplits); below, the GEMV wins: 256 x 4096 9.9 / 11.1, 512 x 1024
