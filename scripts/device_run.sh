@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build from source there, then the requested stages.
 #   scripts/device_run.sh build test test-cuda test-slow test-all test-certified sanitize profile
-#                         profile-certified bench-ours bench-forward bench-train
+#                         profile-certified profile-shapes bench-ours bench-forward bench-train
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -62,6 +62,13 @@ for stage in "$@"; do
       ;;
     profile)
       run_stage profile /tmp python3 "$ROOT/benchmarks/profile_forward.py" --out "$OUT/profile.json"
+      ;;
+    profile-shapes)
+      # Which path should serve each batch away from the default shape (NOTES, 13:24 UTC update;
+      # the certified path applies from 33 rows, and its candidate counts only there).
+      run_stage profile-shapes /tmp python3 "$ROOT/benchmarks/profile_forward.py" \
+        --paths default certified 3xtf32 --batches 40 128 513 1024 \
+        --shapes 1024x512 2048x512 4096x512 8192x128 8192x2048 16384x512 --out "$OUT/profile-shapes.json"
       ;;
     bench-ours)
       run_stage bench-ours /tmp python3 "$ROOT/benchmarks/bench_forward.py" --skip-compile \
