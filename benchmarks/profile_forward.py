@@ -3,19 +3,20 @@
     python benchmarks/profile_forward.py                       # B in {1, 16, 32, 64, 128, 1024, 4096}
     python benchmarks/profile_forward.py --batches 1024 --out /tmp/profile.json
     python benchmarks/profile_forward.py --paths certified --prepared both --batches 1024 4096
-    python benchmarks/profile_forward.py --paths certified 3xtf32 --batches 513 1024 --shapes 1024x512 8192x128
+    python benchmarks/profile_forward.py --paths 3xtf32 --batches 513 --shapes 1024x512 8192x128
 
 For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
-sm_90a build on Hopper: the certified path from 513 rows, 257 with --prepared, 3xTF32 below; "mma_sync": the portable
-kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1; "certified" / "3xtf32": the certified single pass forced
-on / off, FUSED_POOL_GELU_CERTIFIED=1 / 0), prints every kernel the op launches with its own time /
-device time (common.kernel_device_times: on sm_90+ the kernels after the GEMM are programmatic
-dependent launches, which start while the one before runs and wait for it; their device time holds
-the wait, their own time does not), the sum of the own times, and the call's median
-(fused_pool_gelu.timing, as bench_forward.py). Data: the benchmarks' (bench_forward.py): the folded
-weights of Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B; shape K =
-8192, N = 512 by default (-K, -N), or several in one process (--shapes KxN ...). The certified path's speed depends on the data (how many columns each row
-rescores): its rows also print the candidates per row (`_certified_candidate_counts`).
+sm_90a build on Hopper: the certified path from 513 rows, 257 with --prepared, 3xTF32 below;
+"mma_sync": the portable kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1; "certified" / "3xtf32": the
+certified single pass forced on / off, FUSED_POOL_GELU_CERTIFIED=1 / 0), prints every kernel the op
+launches with its own time / device time (common.kernel_device_times: on sm_90+ the kernels after
+the GEMM are programmatic dependent launches, which start while the one before runs and wait for it;
+their device time holds the wait, their own time does not), the sum of the own times, and the call's
+median (fused_pool_gelu.timing, as bench_forward.py). Data: the benchmarks' (bench_forward.py): the
+folded weights of Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B;
+shape K = 8192, N = 512 by default (-K, -N), or several in one process (--shapes KxN ...). The
+certified path's speed depends on the data (how many columns each row rescores): its rows also print
+the candidates per row (`_certified_candidate_counts`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def main():
         if args.shapes:
             print(f"K = {k}, N = {n}", flush=True)
         weight, bias = common.folded_weights(k, n * POOL, POOL)
-        prepared_weight = fused_pool_gelu.prepare_weight(weight)
+        prepared_weight = (fused_pool_gelu.prepare_weight(weight) if True in prepared_options
+                           else None)
         for path in args.paths:
             for name in SWITCHES:
                 os.environ.pop(name, None)

@@ -451,6 +451,11 @@ int64_t plan_k_tiles_per_split(int64_t tiles, int64_t k_tiles, int64_t slots, in
   return best_k_tiles_per_split;
 }
 
+// Output tiles of the tensor-core GEMMs (both 128 x 128) over `rows` x `n`.
+int64_t tc_tiles(int64_t rows, int64_t n) {
+  return ceil_div(rows, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
+}
+
 // Whether the tensor-core GEMM is the wgmma one here (else mma.sync).
 bool wgmma_serves(const DeviceInfo& info) {
   return info.wgmma_ctas_per_sm > 0 && !force_mma_sync();
@@ -462,8 +467,7 @@ TcPlan plan_tc(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padde
                     fg::kWgBlockK == fg::kTcBlockK,
                 "one split-K plan for both tensor-core kernels");
   const bool wgmma = wgmma_serves(info);
-  const int64_t tiles =
-      ceil_div(batch, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
+  const int64_t tiles = tc_tiles(batch, n);
   const int64_t k_tiles = ceil_div(k_padded, int64_t{fg::kTcBlockK});
   const int64_t slots = static_cast<int64_t>(info.sms) *
                         (wgmma ? info.wgmma_ctas_per_sm : info.tc_ctas_per_sm);
@@ -584,9 +588,8 @@ bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padd
   if (rows <= kSimtMaxBatchWgmma || info.tc_ctas_per_sm == 0) return true;
   if (rows > kSimtMaxBatch) return false;
   if (!wgmma_serves(info) || n * k_padded <= kWgmmaSmallBatchMinWeightFloats) return true;
-  const int64_t tiles =
-      ceil_div(rows, int64_t{fg::kTcBlockM}) * ceil_div(n, int64_t{fg::kTcBlockN});
-  return !keeps_sms_busy(info, tiles * plan_tc(info, rows, n, k_padded, split_cap).splits);
+  const TcPlan tc = plan_tc(info, rows, n, k_padded, split_cap);
+  return !keeps_sms_busy(info, tc_tiles(rows, n) * tc.splits);
 }
 
 // Which GEMM runs a slice of `rows` rows, and its split-K plan (at most split_cap splits).
