@@ -10,7 +10,10 @@
 #   memcheck and racecheck on the workload, and profile_forward.py (PROFILE_ARGS, default the
 #   certified path with a prepared weight at B = 1024 and 4096) on every variant, ROUNDS times
 #   (default 2) in interleaved order, so that the machine's drift hits all of them alike. Logs go
-#   to $OUT; the profile lines print last.
+#   to $OUT; the profile lines print last. PROFILE_NAMES="NAME ..." profiles only those trees;
+#   REUSE_BUILDS=1 skips the builds and takes the packages an earlier call left on a machine still
+#   warm (a tree without one is an error, not a silent rebuild); PROFILE_TIMEOUT (s, default 180)
+#   bounds each profile process.
 # Timing-only variants (ones that compute wrong numbers to time a part) need no suite.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -46,20 +49,28 @@ case ${1:-} in
     steps="$OUT/steps.txt"
     stamp() { date -u +%H:%M:%S; }
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-    # Every build gets a share of the cores; a hung step must not eat the session's device time.
-    jobs=$(( $(nproc) / ${#names[@]} )); [ "$jobs" -ge 1 ] || jobs=1
-    pids=()
-    for name in "${names[@]}"; do
-      # pip install --target keeps a package already there: on a machine still warm from an
-      # earlier call, the old build would be the one timed.
-      rm -rf "${PKGS:?}/$name"
-      (cd "$TREES/$name" && env MAX_JOBS=$jobs NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
-         FUSED_POOL_GELU_CUDA=1 timeout -s KILL 600 python3 -m pip install --no-build-isolation \
-         --no-deps -q --target "$PKGS/$name" . > "$OUT/build_$name.log" 2>&1
-       echo "$(stamp) build $name rc=$?" >> "$steps") &
-      pids+=($!)
-    done
-    wait "${pids[@]}"
+    if [ "${REUSE_BUILDS:-0}" = 1 ]; then
+      for name in "${names[@]}"; do
+        [ -d "$PKGS/$name/fused_pool_gelu" ] || {
+          echo "REUSE_BUILDS=1 but $PKGS/$name holds no build (the machine was not warm?)" >&2
+          exit 2; }
+      done
+    else
+      # Every build gets a share of the cores; a hung step must not eat the session's device time.
+      jobs=$(( $(nproc) / ${#names[@]} )); [ "$jobs" -ge 1 ] || jobs=1
+      pids=()
+      for name in "${names[@]}"; do
+        # pip install --target keeps a package already there: on a machine still warm from an
+        # earlier call, the old build would be the one timed.
+        rm -rf "${PKGS:?}/$name"
+        (cd "$TREES/$name" && env MAX_JOBS=$jobs NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
+           FUSED_POOL_GELU_CUDA=1 timeout -s KILL 600 python3 -m pip install --no-build-isolation \
+           --no-deps -q --target "$PKGS/$name" . > "$OUT/build_$name.log" 2>&1
+         echo "$(stamp) build $name rc=$?" >> "$steps") &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+    fi
     for name in ${SUITE:-}; do
       (cd "$TREES/$name/tests" && PYTHONPATH="$PKGS/$name" timeout -s KILL 240 python3 -m pytest \
          -p no:cacheprovider -q -m "cuda and not slow" --timeout=60 . > "$OUT/suite_$name.log" 2>&1
@@ -72,10 +83,11 @@ case ${1:-} in
     done
     default_profile="--paths certified --prepared yes --batches 1024 4096 --calls 20"
     read -r -a profile_args <<< "${PROFILE_ARGS:-$default_profile}"
+    read -r -a profile_names <<< "${PROFILE_NAMES:-${names[*]}}"
     for round in $(seq 1 "${ROUNDS:-2}"); do
-      for name in "${names[@]}"; do
+      for name in "${profile_names[@]}"; do
         echo "== $name, round $round, $(stamp)" >> "$OUT/profile.txt"
-        (cd "$TREES/$name/benchmarks" && PYTHONPATH="$PKGS/$name" timeout -s KILL 180 \
+        (cd "$TREES/$name/benchmarks" && PYTHONPATH="$PKGS/$name" timeout -s KILL "${PROFILE_TIMEOUT:-180}" \
            python3 profile_forward.py "${profile_args[@]}") >> "$OUT/profile.txt" 2>&1
       done
     done
