@@ -68,13 +68,15 @@ namespace fg = forward_gemm;
 constexpr int64_t kSimtMaxBatch = 32;
 
 // Where the wgmma GEMM serves (sm_90a), it takes over from kSimtMaxBatchWgmma + 1 rows (where the
-// GEMV's batch tile grows from 16 to 32 rows) when the weight holds more than
-// kWgmmaSmallBatchMinWeightFloats floats and the GEMM's grid keeps kMinBusySmPercent of the SMs
-// busy. H200 own times (profile_forward.py, B = 24 / 32, 2026-11-30 12:59-13:14 UTC), GEMV against
-// wgmma: N x K = 512 x 8192 (16 MB) 18.3 against 14.5 us, 512 x 12288 29.9 / 22.9, 512 x 6144
-// 19.1 / 16.0; at 8 MB 512 x 4096 15.3 / 13.7, 256 x 8192 13.7 / 13.4, 128 x 16384 13.0 / 15.9
-// (one N tile: 64 CTAs, kTcMaxSplits); below, the GEMV wins: 256 x 4096 9.9 / 11.1, 512 x 1024
-// 8.8 / 9.6, 128 x 2048 6.4 / 7.5.
+// GEMV takes a second 16-row batch tile, which reads the weight again) when the weight holds more
+// than kWgmmaSmallBatchMinWeightFloats floats and the GEMM's grid keeps kMinBusySmPercent of the
+// SMs busy. H200 own times, GEMM + epilogue, B = 24 / 32 (profile_forward.py, 2026-11-30
+// 14:33-14:41 UTC), GEMV against wgmma: N x K = 512 x 8192 (16 MB) 19.6 / 20.8 against 18.4 /
+// 18.4 us; at 8 MB the GEMV 13.2 / 14.3-14.6 at 512 x 4096, 12.7 / 12.9 at 256 x 8192, 12.3 / 12.2
+// at 128 x 16384 against the wgmma GEMM's 13.7, 13.4 and 15.9 at 12:59-13:14 UTC (64 CTAs at 128
+// x 16384, kTcMaxSplits: 128 splits would shorten the GEMM by 3.5 us and lengthen the epilogue by
+// 3.8); larger weights favour the GEMM more (12 MB, 512 x 6144: 19.1 against 16.0 at 13:07 UTC,
+// with the GEMV's former 32-row tile), smaller ones the GEMV (256 x 4096: 9.4 / 9.5 against 11.1).
 constexpr int64_t kSimtMaxBatchWgmma = 16;
 constexpr int64_t kWgmmaSmallBatchMinWeightFloats = int64_t{1} << 21;
 
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(kEpilogueThreads)
 // Host side.
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kSimtBatchTiles[] = {1, 2, 4, 8, 16, 32};
+constexpr int kSimtBatchTiles[] = {1, 2, 4, 8, 16};
 constexpr int kNumSimtBatchTiles = sizeof(kSimtBatchTiles) / sizeof(kSimtBatchTiles[0]);
 static_assert(kSimtBatchTiles[kNumSimtBatchTiles - 1] == fg::kSimtMaxBatchTile, "batch tiles");
 
@@ -255,7 +257,6 @@ void dispatch_simt_batch_tile(int i, F&& f) {
     case 2: f(std::integral_constant<int, 4>{}); break;
     case 3: f(std::integral_constant<int, 8>{}); break;
     case 4: f(std::integral_constant<int, 16>{}); break;
-    case 5: f(std::integral_constant<int, 32>{}); break;
     default: TORCH_CHECK(false, "fused_pool_gelu.forward: internal error: batch tile index ", i);
   }
 }

@@ -155,8 +155,7 @@ constexpr int kSimtWarps = kSimtThreads / 32;
 constexpr int kSimtLanesPerRow = 4;
 constexpr int kSimtQuadsPerWarp = 32 / kSimtLanesPerRow;  // 8 rows per load instruction
 // Rows per lane: each x value loaded from shared memory is used for this many rows (2 keeps the
-// shared-memory traffic at 1 LDS.128 per 8 FMAs). Registers (ptxas, sm_90a, CUDA 13.0): 126 at a
-// batch tile of 16 (2 CTAs per SM), 246 at 32 (1 CTA, 8 warps per SM).
+// shared-memory traffic at 1 LDS.128 per 8 FMAs).
 constexpr int kSimtRowsPerLane = 2;
 constexpr int kSimtRowsPerCta = kSimtQuadsPerWarp * kSimtRowsPerLane;  // 16
 // 16-byte loads per row and lane per step: a step covers 2 x 64 B = one 128-byte line per row.
@@ -165,8 +164,17 @@ constexpr int kSimtSegmentK = kSimtLanesPerRow * 4;              // 16 floats pe
 constexpr int kSimtStepK = kSimtSegmentK * kSimtLoadsPerRow;     // 32 floats per warp step
 constexpr int kSimtChunkK = kSimtStepK * kSimtWarps;             // 256 floats of x staged at once
 constexpr int kSimtXBuffers = 2;                                 // x chunk double buffer
-// Batch rows per CTA (register arrays): the host picks the smallest power of two >= B, up to this.
-constexpr int kSimtMaxBatchTile = 32;
+// Batch rows per CTA (register arrays): the host picks the smallest power of two >= B, up to this;
+// more rows run as several batch tiles (grid y). Registers (ptxas, sm_90a, CUDA 13.0): 126 at 16,
+// 2 CTAs per SM. A 32-row tile took 246 (one CTA of 8 warps per SM) and ran B = 17-32 slower than
+// two 16-row tiles, though those read the weight twice (the second time mostly from L2). H200 own
+// times, GEMV + epilogue, B = 24 / 32 (profile_forward.py, 2026-11-30 14:33-14:41 UTC), one 32-row
+// tile against two 16-row tiles: N x K = 128 x 2048 6.4 / 6.5 against 5.6 / 5.5 us, 256 x 4096
+// 10.0 / 10.1 against 9.4 / 9.5, 128 x 16384 13.0 / 13.1 against 12.3 / 12.2, 256 x 8192 13.7 /
+// 13.8 against 12.7 / 12.9, 512 x 4096 15.4 / 15.5 against 13.2 / 14.3-14.6, 1024 x 2048 16.0 /
+// 17.5 against 13.8 / 14.0-14.3. With __launch_bounds__(256, 2) the 32-row tile spilled and lost
+// to both (256 x 4096: 11.6 / 11.7).
+constexpr int kSimtMaxBatchTile = 16;
 
 
 template <int kBatchTile>
