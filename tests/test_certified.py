@@ -1,5 +1,6 @@
 """The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch =
-513 rows, 257 with a prepared weight; FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies):
+513 rows, 257 with a prepared weight, for weights of at least 512 rows and 2^21 floats;
+FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies):
 a single-pass GEMM on scaled fp16 copies of the rows with a proven error bound, then float32
 rescoring of the columns that may still hold each row's maximum.
 
@@ -313,13 +314,27 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
     assert int((counts[light] == 1).sum()) > 0
 
 
-# kCertifiedMinBatch = 513 without a prepared weight, kCertifiedPreparedMinBatch = 257 with one.
-@pytest.mark.parametrize("prepared,batch", [(False, 512), (False, 513), (True, 256), (True, 257)])
-def test_the_default_takes_the_certified_path_from_its_batch(prepared, batch, certified,
-                                                             monkeypatch):
-    x = torch.rand(batch, 2048, device=DEVICE)
-    weight = torch.randn(256, 2048, device=DEVICE) * 0.02
-    bias = torch.randn(256, device=DEVICE)
+# kCertifiedMinBatch = 513 without a prepared weight, kCertifiedPreparedMinBatch = 257 with one,
+# for weights of N >= 512 rows (kCertifiedMinColumns) and N x K >= 2^21 floats
+# (kCertifiedMinWeightFloats; K padded to a multiple of 4): 512 x 4096 is the smallest such weight.
+@pytest.mark.parametrize(
+    "prepared,batch,pooled,in_features,takes_certified",
+    [
+        (False, 512, 512, 4096, False),
+        (False, 513, 512, 4096, True),
+        (True, 256, 512, 4096, False),
+        (True, 257, 512, 4096, True),
+        (True, 1024, 256, 8192, False),  # too narrow
+        (True, 1024, 512, 4092, False),  # 4 x 512 floats short of 2^21
+        (True, 1024, 2048, 1024, True),
+    ],
+)
+def test_the_default_takes_the_certified_path_from_its_batch_and_weight_size(
+    prepared, batch, pooled, in_features, takes_certified, certified, monkeypatch
+):
+    x = torch.rand(batch, in_features, device=DEVICE)
+    weight = torch.randn(pooled, in_features, device=DEVICE) * 0.02
+    bias = torch.randn(pooled, device=DEVICE)
     prepared_weight = _OPS.prepare_weight(weight) if prepared else None
     forced = _OPS.forward_with_argmax(x, weight, bias, 2.0)  # the fixture forces it on
     monkeypatch.setenv("FUSED_POOL_GELU_CERTIFIED", "0")
@@ -329,6 +344,6 @@ def test_the_default_takes_the_certified_path_from_its_batch(prepared, batch, ce
     # The two paths round differently (float32 dot products in another order): some output
     # differs in its last bits, and the default matches exactly one of them bitwise.
     assert not all(torch.equal(a, b) for a, b in zip(forced, off))
-    expected = forced if batch >= (257 if prepared else 513) else off
+    expected = forced if takes_certified else off
     for a, b in zip(default, expected):
         assert torch.equal(a, b)

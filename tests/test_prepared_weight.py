@@ -2,8 +2,9 @@
 
 The layout is checked against a float64 reading of the weight on every device; the forward with a
 prepared weight must give the same bits as without it where both calls take the same path (not
-from 257 to 512 rows on sm_90a, where only the call with it takes the certified path:
-test_certified.py::test_the_default_takes_the_certified_path_from_its_batch), and must refuse a
+from 257 to 512 rows on sm_90a for weights of N >= 512 and N x K >= 2^21 floats, where only the
+call with it takes the certified path: test_certified.py::
+test_the_default_takes_the_certified_path_from_its_batch_and_weight_size), and must refuse a
 prepared weight that no longer matches its weight. On CUDA the certified path (forced on) is where
 the copy is read.
 """
