@@ -87,8 +87,9 @@ case ${1:-} in
     for round in $(seq 1 "${ROUNDS:-2}"); do
       for name in "${profile_names[@]}"; do
         echo "== $name, round $round, $(stamp)" >> "$OUT/profile.txt"
-        (cd "$TREES/$name/benchmarks" && PYTHONPATH="$PKGS/$name" timeout -s KILL "${PROFILE_TIMEOUT:-180}" \
-           python3 profile_forward.py "${profile_args[@]}") >> "$OUT/profile.txt" 2>&1
+        (cd "$TREES/$name/benchmarks" && PYTHONPATH="$PKGS/$name" \
+           timeout -s KILL "${PROFILE_TIMEOUT:-180}" python3 profile_forward.py \
+           "${profile_args[@]}") >> "$OUT/profile.txt" 2>&1
       done
     done
     echo "$(stamp) done" >> "$steps"

@@ -104,7 +104,7 @@ constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kTcBlockM + 1;
 // ... and only for weights of at least kCertifiedMinColumns rows (N) and kCertifiedMinWeightFloats
 // floats (N x K). The certified path saves two of the 3xTF32 GEMM's three MMA passes, which grows
 // with B x N x K, but pays the weight's copy, the selection and the rescoring, which reads K floats
-// of the weight for each candidate (1.2-2.6 per row on these data): B x K, whatever N. So narrow
+// of the weight for each candidate (1.1-2.6 per row on these data): B x K, whatever N. So narrow
 // weights lose at every K, and small ones to the fixed costs. H200 own times (profile_forward.py,
 // 2026-11-30 14:39-14:41 UTC), certified (copy made per call / prepared) against 3xTF32 at B = 513
 // and 1024: N x K = 128 x 8192 38.8 / 36.5 against 22.3, 43.6 / 39.7 against 32.7 us; 128 x 16384
