@@ -1,5 +1,5 @@
 """The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch =
-513 rows, 257 with a prepared weight, for weights of at least 512 rows and 2^21 floats;
+513 rows, 257 with a prepared weight, on weights large enough (see the test of the switch below);
 FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies):
 a single-pass GEMM on scaled fp16 copies of the rows with a proven error bound, then float32
 rescoring of the columns that may still hold each row's maximum.
@@ -316,7 +316,8 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
 
 # kCertifiedMinBatch = 513 without a prepared weight, kCertifiedPreparedMinBatch = 257 with one,
 # for weights of N >= 512 rows (kCertifiedMinColumns) and N x K >= 2^21 floats
-# (kCertifiedMinWeightFloats; K padded to a multiple of 4): 512 x 4096 is the smallest such weight.
+# (kCertifiedMinWeightFloats; K padded to a multiple of 4), or of N >= 256 rows once B x N x K
+# reaches 2^31 (kCertifiedMinWork; 2^30 with a prepared weight).
 @pytest.mark.parametrize(
     "prepared,batch,pooled,in_features,takes_certified",
     [
@@ -324,9 +325,14 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
         (False, 513, 512, 4096, True),
         (True, 256, 512, 4096, False),
         (True, 257, 512, 4096, True),
-        (True, 1024, 256, 8192, False),  # too narrow
-        (True, 1024, 512, 4092, False),  # 4 x 512 floats short of 2^21
         (True, 1024, 2048, 1024, True),
+        (True, 1024, 512, 4092, False),  # 4 x 512 floats short of 2^21, work short of 2^30
+        (False, 1024, 512, 2048, False),  # work 2^30
+        (True, 1024, 512, 2048, True),
+        (False, 2048, 512, 2048, True),  # work 2^31
+        (False, 1023, 256, 8192, False),
+        (False, 1024, 256, 8192, True),
+        (True, 4096, 128, 4096, False),  # too narrow at any work
     ],
 )
 def test_the_default_takes_the_certified_path_from_its_batch_and_weight_size(

@@ -326,10 +326,10 @@ TC_SHAPES = [
 ]
 
 
-# "default": what the op picks (on sm_90a the certified path from 513 rows on weights of N >= 512
-# and N x K >= 2^21 floats: (1000, 4099, 513) and (1024, 8192, 512); these tests pass no prepared
-# weight); "3xtf32": the 3xTF32 GEMM at every batch (FUSED_POOL_GELU_CERTIFIED=0);
-# "mma_sync": the portable kernel.
+# "default": what the op picks (on sm_90a the certified path from 513 rows on weights large
+# enough: (1000, 4099, 513) and (1024, 8192, 512); these tests pass no prepared weight);
+# "3xtf32": the 3xTF32 GEMM at every batch (FUSED_POOL_GELU_CERTIFIED=0); "mma_sync": the portable
+# kernel.
 PATH_SWITCHES = {
     "default": {},
     "3xtf32": {"FUSED_POOL_GELU_CERTIFIED": "0"},

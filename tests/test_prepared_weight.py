@@ -2,8 +2,8 @@
 
 The layout is checked against a float64 reading of the weight on every device; the forward with a
 prepared weight must give the same bits as without it where both calls take the same path (not
-from 257 to 512 rows on sm_90a for weights of N >= 512 and N x K >= 2^21 floats, where only the
-call with it takes the certified path: test_certified.py::
+where only the call with it takes the certified path on sm_90a, from 257 to 512 rows and at half
+the work B x N x K: test_certified.py::
 test_the_default_takes_the_certified_path_from_its_batch_and_weight_size), and must refuse a
 prepared weight that no longer matches its weight. On CUDA the certified path (forced on) is where
 the copy is read.
@@ -122,8 +122,8 @@ def test_other_dtypes_are_prepared_from_their_float32_values(dtype, device):
     assert torch.equal(prepared, reference)
 
 
-# Batches where the calls with and without a prepared weight take the same path by default (not
-# 257-512 rows: see the module's docstring).
+# Shapes where the calls with and without a prepared weight take the same path by default (see the
+# module's docstring).
 @pytest.mark.parametrize("batch,in_features,pooled", [(1024, 512, 96), (33, 100, 7), (3, 77, 5)])
 @pytest.mark.parametrize("certified_mode", ["default", "forced"])
 def test_forward_gives_the_same_bits_with_and_without(

@@ -10,8 +10,8 @@
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum.
 // On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight) for
-// weights of at least kCertifiedMinColumns rows and kCertifiedMinWeightFloats floats
-// (use_certified), the certified path replaces both: a scaled fp16 copy of the weight rows with
+// weights large enough (kCertifiedMinColumns and the constants after it; use_certified), the
+// certified path replaces both: a scaled fp16 copy of the weight rows with
 // their norms (prepared_weight.h; skipped when the caller passes prepare_weight's), a single-pass
 // fp16 GEMM that converts x as it goes (forward_gemm_sm90.cuh's certified_pass1_kernel), a
 // selection of the columns that may hold the row's maximum by a proven error bound (with x's norms
@@ -102,23 +102,31 @@ constexpr int64_t kWgmmaSmallBatchMinWeightFloats = int64_t{1} << 21;
 constexpr int64_t kCertifiedMinBatch = 4 * fg::kTcBlockM + 1;
 constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kTcBlockM + 1;
 // ... and only for weights of at least kCertifiedMinColumns rows (N) and kCertifiedMinWeightFloats
-// floats (N x K). The certified path saves two of the 3xTF32 GEMM's three MMA passes, which grows
-// with B x N x K, but pays the weight's copy, the selection and the rescoring, which reads K floats
-// of the weight for each candidate (1.1-2.6 per row on these data): B x K, whatever N. So narrow
-// weights lose at every K, and small ones to the fixed costs. H200 own times (profile_forward.py,
-// 2026-11-30 14:39-14:41 UTC), certified (copy made per call / prepared) against 3xTF32 at B = 513
-// and 1024: N x K = 128 x 8192 38.8 / 36.5 against 22.3, 43.6 / 39.7 against 32.7 us; 128 x 16384
-// 65.7 / 58.7 against 33.8, 75.4 / 68.8 against 50.1; 256 x 8192 40.0 / 34.8 against 32.7, 46.9 /
-// 41.5 against 47.1; 512 x 1024 24.3 / 21.4 against 16.0, 27.7 / 25.2 against 21.0; 512 x 2048
-// 27.8 / 24.0 against 28.0, 31.3 / 27.6 against 30.1; and from 2^21 floats at N >= 512, where it
-// serves: 512 x 4096 32.2 / 26.7 against 38.8, 36.4 / 30.8 against 47.1; 1024 x 2048 35.3 / 29.2
-// against 35.7, 36.8 / 30.9 against 48.1; 2048 x 1024 41.0 / 32.7 against 42.0, 43.1 / 34.8
-// against 50.0; 4096 x 1024 65.2 / 50.0 against 92.7, 66.2 / 51.2 against 96.9; at 257 rows with a
-// prepared weight 23.8 against 23.1, 25.0 against 28.6, 25.4 against 31.3, 41.3 against 53.9. The
-// rule gives away a prepared weight's 4.0 / 2.5 us at 512 x 2048 (B = 513 / 1024) and 5.6 at 256 x
-// 8192 (B = 1024), and takes 512 x 4096's 0.7 us loss at 257 rows.
+// floats (N x K), or, from kCertifiedLargeWorkMinColumns rows, once the call's work B x N x K
+// reaches kCertifiedMinWork (half that with a prepared weight). The certified path saves two of
+// the 3xTF32 GEMM's three MMA passes, which grows with B x N x K, but pays the weight's copy, the
+// selection (B x N) and the rescoring, which reads K floats of the weight for each candidate
+// (1.1-2.6 per row on these data): B x K, whatever N. So narrow weights lose at every K, and
+// small ones to the fixed costs until the batch is large. H200 own times (profile_forward.py,
+// 2026-11-30 14:39-14:41 and 14:58-14:59 UTC), certified (copy made per call / prepared) against
+// 3xTF32, N x K at B = 513 and 1024: 128 x 8192 38.8 / 36.5 against 22.3, 43.6 / 39.7 against
+// 32.7 us; 128 x 16384 65.7 / 58.7 against 33.8, 75.4 / 68.8 against 50.1; 256 x 8192 40.0 / 34.8
+// against 32.7, 46.9 / 41.5 against 47.1; 512 x 1024 24.2 / 21.6 against 16.0, 27.5 / 24.8
+// against 21.1; 512 x 2048 27.6 / 23.9 against 28.0, 30.8 / 27.4 against 30.3; 1024 x 1024 29.1
+// / 24.1 against 23.7, 33.1 / 28.4 against 30.8; 2048 x 512 34.7 / 27.1 against 30.4, 40.2 / 33.0
+// against 32.7; at B = 2048: 512 x 1024 35.6 / 32.7 against 32.9, 1024 x 512 41.2 / 37.0 against
+// 34.4, 512 x 2048 40.8 / 37.0 against 50.6, 1024 x 1024 43.9 / 39.0 against 51.8, 2048 x 512
+// 55.4 / 48.2 against 61.0; from 2^21 floats at N >= 512: 512 x 4096 32.2 / 26.7 against 38.8,
+// 36.4 / 30.8 against 47.1; 1024 x 2048 35.3 / 29.2 against 35.7, 36.8 / 30.9 against 48.1; 2048
+// x 1024 41.0 / 32.7 against 42.0, 43.1 / 34.8 against 50.0; 4096 x 1024 65.2 / 50.0 against
+// 92.7, 66.2 / 51.2 against 96.9; at 257 rows with a prepared weight 23.8 against 23.1, 25.0
+// against 28.6, 25.4 against 31.3, 41.3 against 53.9. Measured losses the rule leaves: up to 4.1
+// us with a prepared weight (512 x 2048 and 2048 x 512 at B = 513 go to the 3xTF32 GEMM, 1024 x
+// 512 at 2048 and 256 x 8192 at 513 to the certified path) and 0.7 us at 512 x 4096, B = 257.
 constexpr int64_t kCertifiedMinColumns = 512;
 constexpr int64_t kCertifiedMinWeightFloats = int64_t{1} << 21;
+constexpr int64_t kCertifiedLargeWorkMinColumns = 256;
+constexpr int64_t kCertifiedMinWork = int64_t{1} << 31;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
@@ -710,8 +718,12 @@ bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor
                    bool prepared, int64_t batch, int64_t n, int64_t k_padded, double scale) {
   const CertifiedMode mode = certified_mode();
   const int64_t min_batch = prepared ? kCertifiedPreparedMinBatch : kCertifiedMinBatch;
-  const bool pays = batch >= min_batch && n >= kCertifiedMinColumns &&
-                    n * k_padded >= kCertifiedMinWeightFloats;
+  // B x N x K compared as N x K against the work over B: the product may not fit in 64 bits.
+  const int64_t min_work = prepared ? kCertifiedMinWork / 2 : kCertifiedMinWork;
+  const bool pays =
+      batch >= min_batch &&
+      ((n >= kCertifiedMinColumns && n * k_padded >= kCertifiedMinWeightFloats) ||
+       (n >= kCertifiedLargeWorkMinColumns && n * k_padded >= ceil_div(min_work, batch)));
   return mode != CertifiedMode::kNever && (mode == CertifiedMode::kAlways || pays) &&
          certified_applies(info, x, weight, batch, n, k_padded, scale);
 }
