@@ -316,8 +316,8 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
 
 # kCertifiedMinBatch = 513 without a prepared weight, kCertifiedPreparedMinBatch = 257 with one,
 # for weights of N >= 512 rows (kCertifiedMinColumns) and N x K >= 2^21 floats
-# (kCertifiedMinWeightFloats; K padded to a multiple of 4), or of N >= 256 rows once B x N x K
-# reaches 2^31 (kCertifiedMinWork; 2^30 with a prepared weight).
+# (kCertifiedMinWeightFloats; K padded to a multiple of 4), or of N >= 256 rows and N x K >= 2^19
+# floats once B x N x K reaches 2^31 (kCertifiedMinWork).
 @pytest.mark.parametrize(
     "prepared,batch,pooled,in_features,takes_certified",
     [
@@ -326,12 +326,13 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
         (True, 256, 512, 4096, False),
         (True, 257, 512, 4096, True),
         (True, 1024, 2048, 1024, True),
-        (True, 1024, 512, 4092, False),  # 4 x 512 floats short of 2^21, work short of 2^30
-        (False, 1024, 512, 2048, False),  # work 2^30
-        (True, 1024, 512, 2048, True),
+        (False, 1024, 512, 4092, False),  # 4 x 512 floats short of 2^21, work short of 2^31
+        (True, 1024, 512, 2048, False),  # work 2^30
         (False, 2048, 512, 2048, True),  # work 2^31
         (False, 1023, 256, 8192, False),
         (False, 1024, 256, 8192, True),
+        (True, 4096, 512, 1024, True),
+        (True, 8192, 512, 512, False),  # 2^18 floats: too small at any work
         (True, 4096, 128, 4096, False),  # too narrow at any work
     ],
 )

@@ -102,30 +102,33 @@ constexpr int64_t kWgmmaSmallBatchMinWeightFloats = int64_t{1} << 21;
 constexpr int64_t kCertifiedMinBatch = 4 * fg::kTcBlockM + 1;
 constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kTcBlockM + 1;
 // ... and only for weights of at least kCertifiedMinColumns rows (N) and kCertifiedMinWeightFloats
-// floats (N x K), or, from kCertifiedLargeWorkMinColumns rows, once the call's work B x N x K
-// reaches kCertifiedMinWork (half that with a prepared weight). The certified path saves two of
-// the 3xTF32 GEMM's three MMA passes, which grows with B x N x K, but pays the weight's copy, the
-// selection (B x N) and the rescoring, which reads K floats of the weight for each candidate
-// (1.1-2.6 per row on these data): B x K, whatever N. So narrow weights lose at every K, and
-// small ones to the fixed costs until the batch is large. H200 own times (profile_forward.py,
-// 2026-11-30 14:39-14:41 and 14:58-14:59 UTC), certified (copy made per call / prepared) against
-// 3xTF32, N x K at B = 513 and 1024: 128 x 8192 38.8 / 36.5 against 22.3, 43.6 / 39.7 against
-// 32.7 us; 128 x 16384 65.7 / 58.7 against 33.8, 75.4 / 68.8 against 50.1; 256 x 8192 40.0 / 34.8
-// against 32.7, 46.9 / 41.5 against 47.1; 512 x 1024 24.2 / 21.6 against 16.0, 27.5 / 24.8
-// against 21.1; 512 x 2048 27.6 / 23.9 against 28.0, 30.8 / 27.4 against 30.3; 1024 x 1024 29.1
-// / 24.1 against 23.7, 33.1 / 28.4 against 30.8; 2048 x 512 34.7 / 27.1 against 30.4, 40.2 / 33.0
-// against 32.7; at B = 2048: 512 x 1024 35.6 / 32.7 against 32.9, 1024 x 512 41.2 / 37.0 against
-// 34.4, 512 x 2048 40.8 / 37.0 against 50.6, 1024 x 1024 43.9 / 39.0 against 51.8, 2048 x 512
-// 55.4 / 48.2 against 61.0; from 2^21 floats at N >= 512: 512 x 4096 32.2 / 26.7 against 38.8,
-// 36.4 / 30.8 against 47.1; 1024 x 2048 35.3 / 29.2 against 35.7, 36.8 / 30.9 against 48.1; 2048
-// x 1024 41.0 / 32.7 against 42.0, 43.1 / 34.8 against 50.0; 4096 x 1024 65.2 / 50.0 against
-// 92.7, 66.2 / 51.2 against 96.9; at 257 rows with a prepared weight 23.8 against 23.1, 25.0
-// against 28.6, 25.4 against 31.3, 41.3 against 53.9. Measured losses the rule leaves: up to 4.1
-// us with a prepared weight (512 x 2048 and 2048 x 512 at B = 513 go to the 3xTF32 GEMM, 1024 x
-// 512 at 2048 and 256 x 8192 at 513 to the certified path) and 0.7 us at 512 x 4096, B = 257.
+// floats (N x K), or, from kCertifiedLargeWorkMinColumns rows and
+// kCertifiedLargeWorkMinWeightFloats floats, once the call's work B x N x K reaches
+// kCertifiedMinWork. The certified path saves two of the 3xTF32 GEMM's three MMA passes, which
+// grows with B x N x K, but pays the weight's copy, the selection (B x N) and the rescoring, which
+// reads K floats of the weight for each candidate (1.1-2.6 per row on these data): B x K, whatever
+// N. So narrow weights lose at every K, and small ones to the fixed costs until the batch is large.
+// H200 own times (profile_forward.py, 2026-11-30 14:39-14:41 and 14:58-14:59 UTC), certified (copy
+// made per call / prepared) against 3xTF32, N x K at B = 513 and 1024: 128 x 8192 38.8 / 36.5
+// against 22.3, 43.6 / 39.7 against 32.7 us; 128 x 16384 65.7 / 58.7 against 33.8, 75.4 / 68.8
+// against 50.1; 256 x 8192 40.0 / 34.8 against 32.7, 46.9 / 41.5 against 47.1; 512 x 1024 24.2 /
+// 21.6 against 16.0, 27.5 / 24.8 against 21.1; 512 x 2048 27.6 / 23.9 against 28.0, 30.8 / 27.4
+// against 30.3; 1024 x 1024 29.1 / 24.1 against 23.7, 33.1 / 28.4 against 30.8; 2048 x 512 34.7 /
+// 27.1 against 30.4, 40.2 / 33.0 against 32.7; at B = 2048: 512 x 1024 35.6 / 32.7 against 32.9,
+// 1024 x 512 41.2 / 37.0 against 34.4, 512 x 2048 40.8 / 37.0 against 50.6, 1024 x 1024 43.9 / 39.0
+// against 51.8, 2048 x 512 55.4 / 48.2 against 61.0; from 2^21 floats at N >= 512: 512 x 4096 32.2
+// / 26.7 against 38.8, 36.4 / 30.8 against 47.1; 1024 x 2048 35.3 / 29.2 against 35.7, 36.8 / 30.9
+// against 48.1; 2048 x 1024 41.0 / 32.7 against 42.0, 43.1 / 34.8 against 50.0; 4096 x 1024 65.2 /
+// 50.0 against 92.7, 66.2 / 51.2 against 96.9; at 257 rows with a prepared weight 23.8 against
+// 23.1, 25.0 against 28.6, 25.4 against 31.3, 41.3 against 53.9; at B = 4096 (15:02-15:05 UTC): 512
+// x 512 46.5 / 44.1 against 38.5, 512 x 1024 51.7 / 48.8 against 56.2, 256 x 8192 109.7 / 104.2
+// against 166.8, 128 x 8192 106.1 / 101.5 against 92.8. Measured losses the rule leaves, all with a
+// prepared weight: 2.5-4.0 us at N x K = 2^20 (512 x 2048, 1024 x 1024, 2048 x 512 at B = 513 or
+// 1024: the 3xTF32 GEMM) and 0.7 us at 512 x 4096, B = 257 (the certified path).
 constexpr int64_t kCertifiedMinColumns = 512;
 constexpr int64_t kCertifiedMinWeightFloats = int64_t{1} << 21;
 constexpr int64_t kCertifiedLargeWorkMinColumns = 256;
+constexpr int64_t kCertifiedLargeWorkMinWeightFloats = int64_t{1} << 19;
 constexpr int64_t kCertifiedMinWork = int64_t{1} << 31;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
@@ -719,11 +722,12 @@ bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor
   const CertifiedMode mode = certified_mode();
   const int64_t min_batch = prepared ? kCertifiedPreparedMinBatch : kCertifiedMinBatch;
   // B x N x K compared as N x K against the work over B: the product may not fit in 64 bits.
-  const int64_t min_work = prepared ? kCertifiedMinWork / 2 : kCertifiedMinWork;
+  const int64_t weight_floats = n * k_padded;
   const bool pays =
       batch >= min_batch &&
-      ((n >= kCertifiedMinColumns && n * k_padded >= kCertifiedMinWeightFloats) ||
-       (n >= kCertifiedLargeWorkMinColumns && n * k_padded >= ceil_div(min_work, batch)));
+      ((n >= kCertifiedMinColumns && weight_floats >= kCertifiedMinWeightFloats) ||
+       (n >= kCertifiedLargeWorkMinColumns && weight_floats >= kCertifiedLargeWorkMinWeightFloats &&
+        weight_floats >= ceil_div(kCertifiedMinWork, batch)));
   return mode != CertifiedMode::kNever && (mode == CertifiedMode::kAlways || pays) &&
          certified_applies(info, x, weight, batch, n, k_padded, scale);
 }
