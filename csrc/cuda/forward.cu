@@ -11,13 +11,13 @@
 //      (value, index, z) maximum.
 // On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight) for
 // weights large enough (kCertifiedMinColumns and the constants after it; use_certified), the
-// certified path replaces both: a scaled fp16 copy of the weight rows with
-// their norms (prepared_weight.h; skipped when the caller passes prepare_weight's), a single-pass
-// fp16 GEMM that converts x as it goes (forward_gemm_sm90.cuh's certified_pass1_kernel), a
-// selection of the columns that may hold the row's maximum by a proven error bound (with x's norms
-// from pass 1's split sums), and a float32 rescoring of those (forward_certified.cuh): three or
-// four launches, the same results as the 3xTF32 path's to float32 rounding, with the same tie and
-// NaN rules, and the same bits with or without a prepared weight.
+// certified path replaces both: a scaled fp16 copy of the weight rows with their norms
+// (prepared_weight.h; skipped when the caller passes prepare_weight's), a single-pass fp16 GEMM
+// that converts x as it goes (forward_gemm_sm90.cuh's certified_pass1_kernel), a selection of the
+// columns that may hold the row's maximum by a proven error bound (with x's norms from pass 1's
+// split sums), and a float32 rescoring of those (forward_certified.cuh): three or four launches,
+// the same results as the 3xTF32 path's to float32 rounding, with the same tie and NaN rules, and
+// the same bits with or without a prepared weight.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
 // through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
 #include <ATen/core/Tensor.h>
