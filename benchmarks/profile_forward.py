@@ -6,7 +6,8 @@
     python benchmarks/profile_forward.py --paths 3xtf32 --batches 513 --shapes 1024x512 8192x128
 
 For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
-sm_90a build on Hopper: the certified path from 513 rows, 257 with --prepared, 3xTF32 below;
+sm_90a build on Hopper: the certified path from 513 rows, 257 with --prepared, on weights large
+enough (README, FUSED_POOL_GELU_CERTIFIED), 3xTF32 elsewhere;
 "mma_sync": the portable kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1; "certified" / "3xtf32": the
 certified single pass forced on / off, FUSED_POOL_GELU_CERTIFIED=1 / 0), prints every kernel the op
 launches with its own time / device time (common.kernel_device_times: on sm_90+ the kernels after

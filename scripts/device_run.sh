@@ -68,7 +68,8 @@ for stage in "$@"; do
       # the certified path applies from 33 rows, and its candidate counts only there).
       run_stage profile-shapes /tmp python3 "$ROOT/benchmarks/profile_forward.py" \
         --paths default certified 3xtf32 --batches 40 128 513 1024 \
-        --shapes 1024x512 2048x512 4096x512 8192x128 8192x2048 16384x512 --out "$OUT/profile-shapes.json"
+        --shapes 1024x512 2048x512 4096x512 8192x128 8192x2048 16384x512 \
+        --out "$OUT/profile-shapes.json"
       ;;
     bench-ours)
       run_stage bench-ours /tmp python3 "$ROOT/benchmarks/bench_forward.py" --skip-compile \
