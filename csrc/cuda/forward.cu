@@ -297,6 +297,15 @@ void set_max_dynamic_smem(Kernel kernel, int bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// The row-parallel GEMV's instances: 1, 2 and 4 batch rows (launch_rowwise takes the smallest that
+// holds B).
+template <typename F>
+void for_each_rowwise_batch(F&& f) {
+  f(std::integral_constant<int, 1>{});
+  f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 4>{});
+}
+
 template <typename Kernel>
 int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
   int ctas = 0;
@@ -351,6 +360,13 @@ const DeviceInfo& device_info(int device) {
     int max_smem_optin = 0;
     C10_CUDA_CHECK(
         cudaDeviceGetAttribute(&max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    for_each_rowwise_batch([&](auto batch) {
+      constexpr int kBatch = decltype(batch)::value;
+      constexpr int kSmem = fg::rowwise_smem_bytes(kBatch);
+      TORCH_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the row-parallel GEMV needs ",
+                  kSmem, " bytes of shared memory per block, the device offers ", max_smem_optin);
+      set_max_dynamic_smem(fg::rowwise_gemv_kernel<kBatch>, kSmem);
+    });
     for (int i = 0; i < kNumSimtBatchTiles; ++i) {
       dispatch_simt_batch_tile(i, [&](auto tile) {
         constexpr int kTile = decltype(tile)::value;
@@ -565,8 +581,9 @@ void launch_rowwise(const Operand& x, const Operand& w, float* dot_products, int
   TORCH_CHECK(ctas <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
   const fg::GemmParams p = gemm_params(x, w, dot_products, batch, n, k_padded, k_padded, 0, batch);
   auto launch = [&](auto batch_tile) {
-    fg::rowwise_gemv_kernel<decltype(batch_tile)::value>
-        <<<static_cast<unsigned>(ctas), fg::kRowwiseThreads, 0, stream>>>(p);
+    constexpr int kBatch = decltype(batch_tile)::value;
+    fg::rowwise_gemv_kernel<kBatch><<<static_cast<unsigned>(ctas), fg::kRowwiseThreads,
+                                      fg::rowwise_smem_bytes(kBatch), stream>>>(p);
   };
   if (batch <= 1) {
     launch(std::integral_constant<int, 1>{});

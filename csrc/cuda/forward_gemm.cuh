@@ -362,19 +362,32 @@ __global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const GemmPar
 // A CTA owns kRowwiseRows whole weight rows (all of K): no split-K, so the kernel writes the final
 // dot products as one "split" (partial[0, b, n]) and the epilogue reads B x N floats instead of
 // S x B x N. At the default shape that is 128 CTAs of 4 rows (32 KB each) on 132 SMs, one wave.
-// Thread t takes float4 number t, t + 512, ... of each row, kRowwiseUnroll of them per row per
-// step (K = 8192: one step). ptxas interleaves those loads with the FMAs to save registers (48 at
-// B = 1), so the bytes in flight come from the warp count: 16 warps x 32 lanes x ~5 loads x 16 B
-// = ~40 KB per SM, above the ~33 KB that 4.3 TB/s at ~1 us of latency needs per SM. x (B x K, at most 128 KB) is read by every
-// CTA through L2 with the same float4 pattern. The sums are reduced over the warp with a fixed
-// butterfly, then over the warps in warp order through shared memory: bitwise reproducible.
+// Thread t takes float4 number t, t + 512, ... of each weight row and each x row, kRowwiseUnroll
+// of them per row per step (K = 8192: two steps). A step's pieces go to shared memory by cp.async,
+// all issued before the first is waited on, and each thread reads back only its own. Loaded into
+// registers instead, ptxas spread them over rounds of five loads, each waited on before the next
+// (SASS: four rounds per step at B = 1), and x's loads after the weight's. H200 own times
+// (profile_forward.py, 2026-11-30 15:56-15:57 UTC, two rounds), register loads -> staged, K x N =
+// 8192 x 512 at B = 1 / 2 / 3 / 4: 8.0 / 8.3 / 10.6 / 11.4 -> 7.8 / 7.9 / 8.2 / 8.3 us; 2048 x
+// 1024: 5.7 / 7.0 / 11.3 / 11.6 -> 5.1 / 5.6 / 8.3 / 8.4; 16384 x 1024: 23.5 / 23.6 / 35.5 / 38.2
+// -> 23.3 / 23.8 / 25.3 / 25.4. At B = 1 the default shape stays where it was: 16 MB read while
+// the L2 writes back the benchmark timer's dirty lines (NOTES). Four pieces per step (160 KB of
+// shared memory at B = 1, one CTA per SM) made 2048 x 1024 slower at B = 1 (5.8 -> 6.8: 256 CTAs
+// in two waves); two keep two CTAs per SM at B <= 2. x (B x K, at most 128 KB) is read by every
+// CTA, mostly from L2. The sums are reduced over the warp with a fixed butterfly, then over the
+// warps in warp order through shared memory: bitwise reproducible, and the same bits as the
+// register-loading version (each thread's FMAs in the same order).
 // ------------------------------------------------------------------------------------------------
 
 constexpr int kRowwiseThreads = 512;
 constexpr int kRowwiseWarps = kRowwiseThreads / 32;
 constexpr int kRowwiseRows = 4;
-constexpr int kRowwiseUnroll = 4;
 constexpr int kRowwiseMaxBatch = 4;
+constexpr int kRowwiseUnroll = 2;
+// The staged pieces of a step, [kRowwiseUnroll][kRowwiseRows + batch][kRowwiseThreads] float4.
+constexpr int rowwise_smem_bytes(int batch) {
+  return kRowwiseUnroll * (kRowwiseRows + batch) * kRowwiseThreads * 16;
+}
 
 template <int kBatch>
 __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const GemmParams p) {
@@ -401,31 +414,46 @@ __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const Gem
     for (int r = 0; r < kRowwiseRows; ++r) acc[b][r] = 0.f;
   }
 
-  const AlignedVector<float, 4> zero{};
+  // Every piece of a step (weight and x) goes to shared memory by cp.async, all issued before any
+  // is waited on: stage[u][j][tid], j < kRowwiseRows the weight rows, then the x rows.
+  constexpr int kPieces = kRowwiseRows + kBatch;
+  extern __shared__ float4 stage[];
+  const uint32_t stage_base = shared_address(stage);
   for (int64_t base = tid; base < k4; base += int64_t{kRowwiseThreads} * kRowwiseUnroll) {
-    AlignedVector<float, 4> w[kRowwiseUnroll][kRowwiseRows];
-    AlignedVector<float, 4> xv[kRowwiseUnroll][kBatch];
 #pragma unroll
     for (int u = 0; u < kRowwiseUnroll; ++u) {
       const int64_t i = base + int64_t{u} * kRowwiseThreads;
       const bool k_ok = i < k4;
 #pragma unroll
-      for (int r = 0; r < kRowwiseRows; ++r) {
-        w[u][r] = (k_ok && row_ok[r]) ? load_vector<float, 4>(w_row[r] + 4 * i) : zero;
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        xv[u][b] = (k_ok && b < p.rows) ? load_vector<float, 4>(p.x + b * p.ldx + 4 * i) : zero;
+      for (int j = 0; j < kPieces; ++j) {
+        const bool ok = k_ok && (j < kRowwiseRows ? row_ok[j] : j - kRowwiseRows < p.rows);
+        const float* src = j < kRowwiseRows ? w_row[j] + 4 * i
+                                            : p.x + (j - kRowwiseRows) * p.ldx + 4 * i;
+        cp_async_16(stage_base + ((u * kPieces + j) * kRowwiseThreads + tid) * 16,
+                    ok ? src : p.w, ok ? 16 : 0);
       }
     }
-#pragma unroll
+    cp_async_commit();
+    // Each thread reads only its own slots, so neither this wait nor the next step's copies into
+    // the same slots (after these reads in program order) need a barrier. Not unrolled: ptxas
+    // hoisted every piece's shared load ahead of the FMAs, 8 bytes of spills at B = 2.
+    cp_async_wait<0>();
+#pragma unroll 1
     for (int u = 0; u < kRowwiseUnroll; ++u) {
+      float4 xv[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
+        xv[b] = stage[(u * kPieces + kRowwiseRows + b) * kRowwiseThreads + tid];
+      }
 #pragma unroll
-        for (int r = 0; r < kRowwiseRows; ++r) {
+      for (int r = 0; r < kRowwiseRows; ++r) {
+        const float4 w = stage[(u * kPieces + r) * kRowwiseThreads + tid];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[b][r] = fmaf(w[u][r].val[e], xv[u][b].val[e], acc[b][r]);
+        for (int b = 0; b < kBatch; ++b) {
+          acc[b][r] = fmaf(w.x, xv[b].x, acc[b][r]);
+          acc[b][r] = fmaf(w.y, xv[b].y, acc[b][r]);
+          acc[b][r] = fmaf(w.z, xv[b].z, acc[b][r]);
+          acc[b][r] = fmaf(w.w, xv[b].w, acc[b][r]);
         }
       }
     }
