@@ -122,9 +122,13 @@ constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kTcBlockM + 1;
 // 50.0 against 92.7, 66.2 / 51.2 against 96.9; at 257 rows with a prepared weight 23.8 against
 // 23.1, 25.0 against 28.6, 25.4 against 31.3, 41.3 against 53.9; at B = 4096 (15:02-15:05 UTC): 512
 // x 512 46.5 / 44.1 against 38.5, 512 x 1024 51.7 / 48.8 against 56.2, 256 x 8192 109.7 / 104.2
-// against 166.8, 128 x 8192 106.1 / 101.5 against 92.8. Measured losses the rule leaves, all with a
-// prepared weight: 2.5-4.0 us at N x K = 2^20 (512 x 2048, 1024 x 1024, 2048 x 512 at B = 513 or
-// 1024: the 3xTF32 GEMM) and 0.7 us at 512 x 4096, B = 257 (the certified path).
+// against 166.8, 128 x 8192 106.1 / 101.5 against 92.8; on 222a1ff (15:38-15:40 UTC): 256 x 2048
+// at B = 4096 56.7 / 54.2 against 54.1 / 53.8 (3xTF32 with and without a prepared weight), 512 x
+// 1024 at 4096 51.4 / 48.3 against 55.9 / 55.4, 256 x 4096 at 1024 31.6 / 27.7 against 29.9 / 30.1
+// and at 2048 44.4 / 41.4 against 49.4 / 49.0. Measured losses the rule leaves: with a prepared
+// weight 2.2-4.0 us at N x K = 2^20 (512 x 2048, 1024 x 1024, 2048 x 512, 256 x 4096 at B = 513 or
+// 1024: the 3xTF32 GEMM) and 0.7 us at 512 x 4096, B = 257 (the certified path); without one 2.6
+// us at 256 x 2048, B = 4096 (the certified path, at the rule's floor).
 constexpr int64_t kCertifiedMinColumns = 512;
 constexpr int64_t kCertifiedMinWeightFloats = int64_t{1} << 21;
 constexpr int64_t kCertifiedLargeWorkMinColumns = 256;
