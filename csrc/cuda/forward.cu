@@ -127,8 +127,8 @@ constexpr int64_t kCertifiedPreparedMinBatch = 2 * fg::kTcBlockM + 1;
 // 1024 at 4096 51.4 / 48.3 against 55.9 / 55.4, 256 x 4096 at 1024 31.6 / 27.7 against 29.9 / 30.1
 // and at 2048 44.4 / 41.4 against 49.4 / 49.0. Measured losses the rule leaves: with a prepared
 // weight 2.2-4.0 us at N x K = 2^20 (512 x 2048, 1024 x 1024, 2048 x 512 at B = 513 or 1024, 256
-// x 4096 at 1024: the 3xTF32 GEMM) and 0.7 us at 512 x 4096, B = 257 (the certified path); without one 2.6
-// us at 256 x 2048, B = 4096 (the certified path, at the rule's floor).
+// x 4096 at 1024: the 3xTF32 GEMM) and 0.7 us at 512 x 4096, B = 257 (the certified path);
+// without one 2.6 us at 256 x 2048, B = 4096 (the certified path, at the rule's floor).
 constexpr int64_t kCertifiedMinColumns = 512;
 constexpr int64_t kCertifiedMinWeightFloats = int64_t{1} << 21;
 constexpr int64_t kCertifiedLargeWorkMinColumns = 256;

@@ -367,11 +367,12 @@ __global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const GemmPar
 // all issued before the first is waited on, and each thread reads back only its own. Loaded into
 // registers instead, ptxas spread them over rounds of five loads, each waited on before the next
 // (SASS: four rounds per step at B = 1), and x's loads after the weight's. H200 own times
-// (profile_forward.py, 2026-11-30 15:56-15:57 UTC, two rounds), register loads -> staged, K x N =
-// 8192 x 512 at B = 1 / 2 / 3 / 4: 8.0 / 8.3 / 10.6 / 11.4 -> 7.8 / 7.9 / 8.2 / 8.3 us; 2048 x
-// 1024: 5.7 / 7.0 / 11.3 / 11.6 -> 5.1 / 5.6 / 8.3 / 8.4; 16384 x 1024: 23.5 / 23.6 / 35.5 / 38.2
-// -> 23.3 / 23.8 / 25.3 / 25.4. At B = 1 the default shape stays where it was: 16 MB read while
-// the L2 writes back the benchmark timer's dirty lines (NOTES). Four pieces per step (160 KB of
+// (profile_forward.py, 2026-11-30 16:05-16:06 UTC, two rounds), register loads -> staged, K x N =
+// 8192 x 512 at B = 1 / 2 / 3 / 4: 7.9 / 8.2 / 10.4 / 11.2 -> 7.5 / 7.7 / 8.5 / 8.5 us; 2048 x
+// 1024: 5.7 / 7.0 / 11.3 / 11.5 -> 5.1 / 5.3 / 8.4 / 8.4; 16384 x 1024: 23.8 / 24.2 / 35.0 / 38.7
+// -> 23.1 / 23.9 / 25.5 / 25.6; 1024 x 4096: 11.5 / 13.7 / 26.5 / 26.7 -> 9.5 / 10.5 / 18.0 /
+// 18.1. The default shape at B = 1 barely moves: 16 MB read while the L2 writes back the benchmark
+// timer's dirty lines, at the DRAM's rate either way (NOTES). Four pieces per step (160 KB of
 // shared memory at B = 1, one CTA per SM) made 2048 x 1024 slower at B = 1 (5.8 -> 6.8: 256 CTAs
 // in two waves); two keep two CTAs per SM at B <= 2. x (B x K, at most 128 KB) is read by every
 // CTA, mostly from L2. The sums are reduced over the warp with a fixed butterfly, then over the
