@@ -105,7 +105,7 @@ def main():
         if args.shapes:
             print(f"K = {k}, N = {n}", flush=True)
         weight, bias = common.folded_weights(k, n * POOL, POOL)
-        prepared_weight = (fused_pool_gelu.prepare_weight(weight) if True in prepared_options
+        prepared_weight = (fused_pool_gelu.prepare_weight(weight) if args.prepared != "no"
                            else None)
         for path in args.paths:
             for name in SWITCHES:
