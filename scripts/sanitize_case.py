@@ -1,8 +1,8 @@
 """A small workload that runs every CUDA kernel once, for compute-sanitizer (scripts/sanitize.sh).
 
 Shapes are small (the tools slow kernels down 10-100x) but odd, so that every tail path, the
-small-batch (row-parallel and split-K GEMV) and the tensor-core forward paths, the misaligned slow
-path and the backward (its ops on their own too) all run.
+small-batch (row-parallel, SIMT and tensor-core split-K GEMV) and the tensor-core forward paths,
+the misaligned slow path and the backward (its ops on their own too) all run.
 Every forward path runs: the default (on an sm_90a build on Hopper the certified path from 513
 rows, 257 with the prepared weight that ModelNew keeps under no_grad, the 3xTF32 wgmma GEMM below),
 each of those two forced for every batch (FUSED_POOL_GELU_CERTIFIED=1 / 0), and the portable
@@ -23,6 +23,7 @@ cases = [  # (batch, in_features, out_features, pool_kernel_size)
     (1, 257, 96, 16),      # small batch, K % 4 != 0 (padded slow path), O % k == 0
     (3, 64, 50, 7),        # O % k != 0: tail rows dropped
     (2, 1027, 2402, 4),    # row-parallel GEMV (B <= 4, 600 pooled rows): row and K tails
+    (20, 4100, 1000, 1),   # tensor-core GEMV (17-32 rows, Hopper): 4 splits, batch, row, K tails
     (300, 520, 1030, 4),   # tensor-core path with M, N, K tails
     (896, 256, 512, 16),   # full tiles (the default takes the certified path; the 3xTF32 GEMM
                            # runs here with FUSED_POOL_GELU_CERTIFIED=0 below)

@@ -256,6 +256,14 @@ def test_misaligned_pointers_give_correct_results(layout, make_inputs, check_for
 
 
 
+def _has_tc_gemv():
+    # forward_gemm.cuh, kTcGemvSmemBytes: Hopper's 227 KB per block; A100's 163 KB is too little.
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= 192 * 1024
+    )
+
+
 def _has_wgmma_gemm():
     archs = fused_pool_gelu.build_info().get("cuda_archs", "")
     return (
@@ -272,15 +280,19 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
     names = _gemm_kernels_run(run)
     assert any("wgmma" in n for n in names), names
-    # The GEMV serves up to 16 rows here, up to 32 (as elsewhere, and under the knob below) where
-    # the weight has at most 2^21 floats or the wgmma grid would leave SMs idle (forward.cu,
-    # kSimtMaxBatchWgmma): N x K = 512 x 4100 fills 132 CTAs, 128 x 16400 only 57.
+    # The SIMT GEMV serves up to 16 rows. From 17 to 32 the tensor-core GEMV serves where its grid
+    # keeps 75% of the SMs busy (forward.cu, kSimtMaxBatchWgmma): N x K = 512 x 4096 gives it 128
+    # CTAs (16 row tiles x 8 splits), 128 x 16400 132 (4 x 33), but 512 x 4100 only 96 (the
+    # splits rounded to 256 floats: 6), and that weight (over 2^21 floats) goes to the wgmma GEMM,
+    # whose grid fills the GPU; 128 x 2048 gives 32 and stays on the SIMT GEMV, as does the
+    # weight below under the knob (256 x 1024: 32 CTAs).
     cases = [
         (16, 4100, 512, "simt_splitk"),
+        (17, 4096, 512, "tf32x3_gemv"),
+        (32, 8192, 512, "tf32x3_gemv"),
+        (32, 16400, 128, "tf32x3_gemv"),
         (17, 4100, 512, "wgmma"),
-        (32, 4100, 512, "wgmma"),
-        (17, 4096, 512, "simt_splitk"),
-        (32, 16400, 128, "simt_splitk"),
+        (24, 2048, 128, "simt_splitk"),
     ]
     for batch, in_features, pooled, kernel in cases:
         x_b, weight_b, bias_b = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
@@ -311,15 +323,52 @@ def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs,
     assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
 
 
-# Shapes that reach the tensor-core kernels (B > 32; from 17 rows with the wgmma GEMM on large
-# weights): tails in every dimension, K % 4 != 0, one K tile, splits of one K tile each (9 at
-# K = 257, the plan's 64 at K = 2048 with one output tile; the wgmma GEMM from 17 rows), and the
-# default shape.
+# The tensor-core GEMV (17-32 rows where its grid fills the GPU; each shape is checked to run it):
+# batch tails (17 of 32 rows), weight-row tails (N % 32), K % 4 != 0, K tails inside a 32-float
+# chunk and a split, a last split of 4 floats (one warp working), warps with unequal chunk counts,
+# a single split, 129 splits, the default shape.
+TC_GEMV_SHAPES = [
+    (17, 8192, 512),
+    (32, 8192, 512),
+    (24, 8195, 100),
+    (20, 4100, 1000),
+    (18, 300, 3200),
+    (25, 1024, 4000),
+    (31, 65540, 3),
+]
+
+
+@pytest.mark.profiler
+@pytest.mark.skipif(not _has_tc_gemv(), reason="the tensor-core GEMV needs 192 KB of shared memory")
+@pytest.mark.parametrize(
+    "batch,in_features,pooled",
+    TC_GEMV_SHAPES,
+    ids=[f"B{b}-K{k}-N{n}" for b, k, n in TC_GEMV_SHAPES],
+)
+def test_tensor_core_gemv_matches_float64(batch, in_features, pooled, make_inputs, check_forward):
+    x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
+    run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
+    names = _gemm_kernels_run(run)
+    assert names and all("tf32x3_gemv" in n for n in names), names
+    # The split-K workspace (at most 16 MB) most likely comes out of this NaN block: a partial sum
+    # the kernel failed to write would show.
+    poison = torch.full((4 << 20,), float("nan"), device=DEVICE)
+    del poison
+    out, argmax, preactivation = run()
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    _, v64 = _pooled64_values(x, weight, bias, 2.0)
+    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+
+
+# Shapes that reach the tensor-core GEMMs (B > 32; from 17 rows the wgmma GEMM on weights over
+# 2^21 floats whose tensor-core GEMV grid is narrow: 512 x 4100, 96 CTAs): tails in every dimension,
+# K % 4 != 0, one K tile, splits of one K tile each (9 at K = 257, the plan's 64 at K = 2048 with
+# one output tile), and the default shape.
 TC_SHAPES = [
     (33, 5, 7),
     (100, 257, 130),
     (40, 2048, 128),
-    (20, 4100, 600),
+    (20, 4100, 512),
     (1000, 4099, 513),
     (129, 32, 129),
     (1024, 8192, 512),

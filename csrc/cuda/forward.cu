@@ -3,8 +3,9 @@
 //
 // Two launches per slice of rows (one slice unless the workspace would pass kMaxWorkspaceFloats):
 //   1. a split-K GEMM writing fp32 partial sums to a workspace [splits, rows, N]: a row-parallel
-//      GEMV (one split) for B <= 4, a SIMT split-K GEMV for small B (forward_gemm.cuh), a 3xTF32
-//      tensor-core GEMM for larger B: wgmma on sm_90a (forward_gemm_sm90.cuh), mma.sync elsewhere
+//      GEMV (one split) for B <= 4, a SIMT split-K GEMV for small B (forward_gemm.cuh), from 17
+//      rows on Hopper a 3xTF32 split-K GEMV on tensor cores (same file), a 3xTF32 tensor-core GEMM
+//      for larger B: wgmma on sm_90a (forward_gemm_sm90.cuh), mma.sync elsewhere
 //      (forward_gemm.cuh);
 //   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
@@ -68,16 +69,32 @@ namespace fg = forward_gemm;
 // 128-row tiles are mostly padding below ~32 rows.
 constexpr int64_t kSimtMaxBatch = 32;
 
-// Where the wgmma GEMM serves (sm_90a), it takes over from kSimtMaxBatchWgmma + 1 rows (where the
-// GEMV takes a second 16-row batch tile, which reads the weight again) when the weight holds more
-// than kWgmmaSmallBatchMinWeightFloats floats and the GEMM's grid keeps kMinBusySmPercent of the
-// SMs busy. H200 own times, GEMM + epilogue, B = 24 / 32 (profile_forward.py, 2026-11-30
-// 14:33-14:41 UTC), GEMV against wgmma: N x K = 512 x 8192 (16 MB) 19.6 / 20.8 against 18.4 /
-// 18.4 us; at 8 MB the GEMV 13.2 / 14.3-14.6 at 512 x 4096, 12.7 / 12.9 at 256 x 8192, 12.3 / 12.2
-// at 128 x 16384 against the wgmma GEMM's 13.7, 13.4 and 15.9 at 12:59-13:14 UTC (64 CTAs at 128
-// x 16384, kTcMaxSplits: 128 splits would shorten the GEMM by 3.5 us and lengthen the epilogue by
-// 3.8); larger weights favour the GEMM more (12 MB, 512 x 6144: 19.1 against 16.0 at 13:07 UTC,
-// with the GEMV's former 32-row tile), smaller ones the GEMV (256 x 4096: 9.4 / 9.5 against 11.1).
+// From kSimtMaxBatchWgmma + 1 rows (where the SIMT GEMV takes a second 16-row batch tile, which
+// reads the weight again) to kSimtMaxBatch, the tensor-core GEMV (3xTF32 on a 32-row batch tile,
+// forward_gemm.cuh; on devices with the shared memory for it: Hopper) serves when its grid keeps
+// kMinBusySmPercent of the SMs busy. H200 own times, GEMV kernel, B = 24 / 32
+// (profile_forward.py, 2026-11-30 17:12-17:14 UTC, two rounds): N x K = 512 x 8192 (16 MB, the
+// wgmma GEMM's before) 14.5 / 14.5 -> 10.7-10.9 / 10.9-11.0 us, medians 21.7 / 21.7 -> 17.6-17.7
+// / 17.8-17.9; 128 x 16384 (the SIMT GEMV's) 10.2-10.3 / 10.3 -> 8.1-8.2 / 8.3-8.5, medians
+// 15.5-15.9 / 15.4-15.7 -> 13.6-13.8 / 14.0-14.1; 1024 x 2048 10.0-10.1 / 10.0-10.2 -> 7.7 /
+// 8.0-8.1, but the epilogue after it took 5.8 us instead of 3.5 (not explained) and the medians
+// came out 17.0-17.1 / 17.2-17.4 -> 17.3-17.8 / 17.3-18.8. Where its grid is narrow (128 x 2048:
+// 32 CTAs) it lost to the SIMT GEMV (4.8 / 4.9 against 3.8 / 3.7, an earlier form at 16:59-17:02
+// UTC); there, and on devices without it, the rule below applies. Up to 16 rows the exact SIMT
+// GEMV stays: it keeps float32 denormals and the largest values exact (docs/input_classes.md),
+// which 3xTF32 does not; on the default shape the tensor-core GEMV would take 11.3 -> 9.3 us at
+// B = 16.
+//
+// Else, where the wgmma GEMM serves (sm_90a), it takes over from kSimtMaxBatchWgmma + 1 rows when
+// the weight holds more than kWgmmaSmallBatchMinWeightFloats floats and the GEMM's grid keeps
+// kMinBusySmPercent of the SMs busy. H200 own times, GEMM + epilogue, B = 24 / 32
+// (profile_forward.py, 2026-11-30 14:33-14:41 UTC), GEMV against wgmma: N x K = 512 x 8192 (16 MB)
+// 19.6 / 20.8 against 18.4 / 18.4 us; at 8 MB the GEMV 13.2 / 14.3-14.6 at 512 x 4096, 12.7 / 12.9
+// at 256 x 8192, 12.3 / 12.2 at 128 x 16384 against the wgmma GEMM's 13.7, 13.4 and 15.9 at
+// 12:59-13:14 UTC (64 CTAs at 128 x 16384, kTcMaxSplits: 128 splits would shorten the GEMM by 3.5
+// us and lengthen the epilogue by 3.8); larger weights favour the GEMM more (12 MB, 512 x 6144:
+// 19.1 against 16.0 at 13:07 UTC, with the GEMV's former 32-row tile), smaller ones the GEMV (256 x
+// 4096: 9.4 / 9.5 against 11.1).
 constexpr int64_t kSimtMaxBatchWgmma = 16;
 constexpr int64_t kWgmmaSmallBatchMinWeightFloats = int64_t{1} << 21;
 
@@ -322,6 +339,8 @@ int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
 struct DeviceInfo {
   int sms = 0;
   int simt_ctas_per_sm[kNumSimtBatchTiles] = {};
+  // 0 where the tensor-core GEMV's shared memory does not fit (devices before Hopper).
+  int tc_gemv_ctas_per_sm = 0;
   // 0 when the 3xTF32 kernel does not fit (e.g. sm_86 / sm_89 give 99 KB of shared memory per
   // block): every batch size then takes the SIMT kernel.
   int tc_ctas_per_sm = 0;
@@ -384,6 +403,11 @@ const DeviceInfo& device_info(int device) {
         TORCH_CHECK(info->simt_ctas_per_sm[i] >= 1,
                     "fused_pool_gelu.forward: the GEMV kernel cannot run on device ", device);
       });
+    }
+    if (fg::kTcGemvSmemBytes <= max_smem_optin) {
+      set_max_dynamic_smem(fg::tf32x3_gemv_splitk_kernel, fg::kTcGemvSmemBytes);
+      info->tc_gemv_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_gemv_splitk_kernel,
+                                                       fg::kTcGemvThreads, fg::kTcGemvSmemBytes);
     }
     if (fg::kTcSmemBytes <= max_smem_optin) {
       set_max_dynamic_smem(fg::tf32x3_splitk_kernel, fg::kTcSmemBytes);
@@ -469,6 +493,27 @@ SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_p
                                              std::min({max_splits, kMaxGridYZ, split_cap}));
   // Whole chunks per split; recounting afterwards leaves no empty split.
   plan.k_per_split = ceil_div(ceil_div(k_padded, splits), int64_t{fg::kSimtChunkK}) * fg::kSimtChunkK;
+  plan.splits = ceil_div(k_padded, plan.k_per_split);
+  return plan;
+}
+
+// Split-K plan of the tensor-core GEMV: one wave of resident CTAs, as the SIMT GEMV's.
+struct TcGemvPlan {
+  int64_t splits;
+  int64_t k_per_split;
+};
+
+TcGemvPlan plan_tc_gemv(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
+                        int64_t split_cap) {
+  const int64_t n_tiles = ceil_div(n, int64_t{fg::kTcGemvRowsPerCta});
+  const int64_t b_tiles = ceil_div(batch, int64_t{fg::kTcGemvBatchTile});
+  const int64_t target_ctas = static_cast<int64_t>(info.sms) * info.tc_gemv_ctas_per_sm;
+  const int64_t max_splits = ceil_div(k_padded, int64_t{fg::kTcGemvSplitK});
+  const int64_t splits = std::clamp<int64_t>(target_ctas / (n_tiles * b_tiles), 1,
+                                             std::min({max_splits, kMaxGridYZ, split_cap}));
+  TcGemvPlan plan{};
+  plan.k_per_split =
+      ceil_div(ceil_div(k_padded, splits), int64_t{fg::kTcGemvSplitK}) * fg::kTcGemvSplitK;
   plan.splits = ceil_div(k_padded, plan.k_per_split);
   return plan;
 }
@@ -569,6 +614,18 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
   });
 }
 
+void launch_tc_gemv(const TcGemvPlan& plan, const Operand& x, const Operand& w, float* partial,
+                    int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
+  const int64_t n_tiles = ceil_div(n, int64_t{fg::kTcGemvRowsPerCta});
+  TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
+  const fg::GemmParams p =
+      gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(plan.splits),
+                  static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcGemvBatchTile})));
+  fg::tf32x3_gemv_splitk_kernel<<<grid, fg::kTcGemvThreads, fg::kTcGemvSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Whether a grid of `ctas` CTAs keeps at least kMinBusySmPercent of the SMs busy.
 bool keeps_sms_busy(const DeviceInfo& info, int64_t ctas) {
   return 100 * ctas >= kMinBusySmPercent * info.sms;
@@ -635,6 +692,16 @@ int64_t rows_per_slice(int64_t batch, int64_t n) {
 
 // Whether the SIMT GEMV, rather than a tensor-core GEMM, runs a slice of `rows` rows (see
 // kSimtMaxBatch and kSimtMaxBatchWgmma).
+// Whether the tensor-core GEMV runs a slice of `rows` rows (see kSimtMaxBatchWgmma).
+bool tc_gemv_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padded,
+                    int64_t split_cap) {
+  if (rows <= kSimtMaxBatchWgmma || rows > kSimtMaxBatch || info.tc_gemv_ctas_per_sm == 0) {
+    return false;
+  }
+  const TcGemvPlan plan = plan_tc_gemv(info, rows, n, k_padded, split_cap);
+  return keeps_sms_busy(info, ceil_div(n, int64_t{fg::kTcGemvRowsPerCta}) * plan.splits);
+}
+
 bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padded,
                  int64_t split_cap) {
   if (rows <= kSimtMaxBatchWgmma || info.tc_ctas_per_sm == 0) return true;
@@ -646,8 +713,9 @@ bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padd
 
 // Which GEMM runs a slice of `rows` rows, and its split-K plan (at most split_cap splits).
 struct GemmPlan {
-  enum class Kind { kRowwise, kSimt, kTc } kind;
+  enum class Kind { kRowwise, kSimt, kTcGemv, kTc } kind;
   SimtPlan simt;
+  TcGemvPlan tc_gemv;
   TcPlan tc;
   int64_t splits;
 };
@@ -658,6 +726,10 @@ GemmPlan plan_gemm(const DeviceInfo& info, bool rowwise, int64_t rows, int64_t n
   if (rowwise) {
     plan.kind = GemmPlan::Kind::kRowwise;
     plan.splits = 1;
+  } else if (tc_gemv_serves(info, rows, n, k_padded, split_cap)) {
+    plan.kind = GemmPlan::Kind::kTcGemv;
+    plan.tc_gemv = plan_tc_gemv(info, rows, n, k_padded, split_cap);
+    plan.splits = plan.tc_gemv.splits;
   } else if (simt_serves(info, rows, n, k_padded, split_cap)) {
     plan.kind = GemmPlan::Kind::kSimt;
     plan.simt = plan_simt(info, rows, n, k_padded, split_cap);
@@ -676,6 +748,9 @@ void launch_gemm(const GemmPlan& plan, const Operand& x, const Operand& w, float
     case GemmPlan::Kind::kRowwise: launch_rowwise(x, w, partial, rows, n, k_padded, stream); break;
     case GemmPlan::Kind::kSimt:
       launch_simt(plan.simt, x, w, partial, rows, n, k_padded, stream);
+      break;
+    case GemmPlan::Kind::kTcGemv:
+      launch_tc_gemv(plan.tc_gemv, x, w, partial, rows, n, k_padded, stream);
       break;
     case GemmPlan::Kind::kTc: launch_tc(plan.tc, x, w, partial, rows, n, k_padded, stream); break;
   }

@@ -1,4 +1,4 @@
-// The two split-K GEMM kernels of the forward: partial[s, b, n] = sum over the k of split s of
+// The split-K GEMM kernels of the forward: partial[s, b, n] = sum over the k of split s of
 // x[b, k] * weight[n, k], written to an fp32 workspace [splits, B, N] that the epilogue kernel
 // (forward.cu) reduces in split order, so results are bitwise reproducible run to run.
 //
@@ -6,6 +6,8 @@
 //                          16-byte loads, the x rows' K chunk staged in shared memory.
 //   rowwise_gemv_kernel    B <= 4 with enough weight rows to fill the GPU: whole rows per CTA, no
 //                          split-K (one "split"), exact fp32 FMA.
+//   tf32x3_gemv_splitk_kernel  17-32 rows: the 3xTF32 products of the kernel below on a 32-row
+//                          batch tile, the weight streamed once as by the GEMVs.
 //   tf32x3_splitk_kernel   larger batch: tensor cores (mma.sync m16n8k8 TF32, sm_80 and later)
 //                          with float32-class accuracy from the 3xTF32 split of every operand.
 //
@@ -719,6 +721,236 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const Gemm
         }
       }
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// 17 to 32 batch rows: 3xTF32 split-K GEMV on tensor cores (mma.sync m16n8k8).
+//
+// Past 16 rows the SIMT GEMV takes a second 16-row batch tile (the weight read twice) and the
+// wgmma GEMM pads the batch to 128 rows. Here a CTA owns kTcGemvRowsPerCta weight rows (4 n tiles
+// of 8) and one K range (its split), for the whole 32-row batch tile (two m tiles of 16; rows past
+// B are zero-filled copies, which read nothing). Warp w takes the 32-float chunks w, w + 8, ... of
+// the range; the warps' sums are added in warp order through shared memory at the end, as in the
+// SIMT GEMV, and the epilogue adds the splits in order: bitwise reproducible.
+//
+// Operands go through a per-warp cp.async ring in shared memory (kTcGemvStages chunks, all but one
+// in flight), no CTA barrier in the K loop. Copies take whole 128-byte lines, 8 lanes per row
+// and 4 rows per instruction. With 4 lanes per row (each lane copying exactly the pieces of its
+// own fragments) every instruction asked L2 for 8 half lines and the kernel read 16 MB in 10.8 us
+// at B = 16 (Nsight Compute: DRAM 32% busy, SM 24%); whole lines: 9.3 (H200, 2026-11-30). Lanes
+// then read their fragments from the stage after a __syncwarp.
+//
+// Fragments (layout in the mma section above) with K permuted inside each 16-float segment s of a
+// chunk: lane (g, t) takes floats 16 s + 4 t .. + 3 of weight row g of each n tile (B operand) and
+// of batch rows g and g + 8 of each m tile (A operand), one float4 each; mma step q of the segment
+// uses floats 4 t + 2 q as k = t and 4 t + 2 q + 1 as k = t + 4. The same permutation on both
+// operands leaves every dot product's terms unchanged.
+//
+// Accuracy as tf32x3_splitk_kernel: every operand split into TF32 big + small, the small terms
+// first, 12 mma per 32-float chunk in `acc`, then added into `total` in fp32 (tensor cores
+// truncate as they accumulate). This is the tensor-core GEMMs' accuracy class, not the SIMT
+// GEMV's exact float32 FMAs (docs/input_classes.md).
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kTcGemvThreads = 256;
+constexpr int kTcGemvWarps = kTcGemvThreads / 32;
+constexpr int kTcGemvRowFrags = 4;                                // n tiles of 8 weight rows
+constexpr int kTcGemvRowsPerCta = kTcGemvRowFrags * kTcMmaN;      // 32
+constexpr int kTcGemvBatchFrags = 2;                              // m tiles of 16 batch rows
+constexpr int kTcGemvBatchTile = kTcGemvBatchFrags * kTcMmaM;     // 32
+constexpr int kTcGemvSegmentK = 16;                               // 4 lanes x float4
+constexpr int kTcGemvChunkK = 32;                                 // one 128-byte line per row
+constexpr int kTcGemvSegments = kTcGemvChunkK / kTcGemvSegmentK;  // 2
+constexpr int kTcGemvSplitK = kTcGemvWarps * kTcGemvChunkK;       // split granularity, 256
+// A stage: the chunk of every weight row and batch row, [tile row][8 pieces of 16 bytes].
+constexpr int kTcGemvTileRows = kTcGemvRowsPerCta + kTcGemvBatchTile;
+constexpr int kTcGemvStageBytes = kTcGemvTileRows * kTcGemvChunkK * 4;  // 8 KB
+// 3 stages x 8 warps x 8 KB = 192 KB: one CTA per SM, 64 KB of weight and x in flight per SM
+// (Hopper; devices with less shared memory per block keep the SIMT GEMV and the wgmma GEMM).
+constexpr int kTcGemvStages = 3;
+constexpr int kTcGemvSmemBytes = kTcGemvWarps * kTcGemvStages * kTcGemvStageBytes;
+
+__global__ void __launch_bounds__(kTcGemvThreads, 1) tf32x3_gemv_splitk_kernel(const GemmParams p) {
+  constexpr int kStageF4 = kTcGemvStageBytes / 16;
+  // Sum rows padded by one float: a warp's stores (8 batch rows x 4 row pairs) hit distinct banks.
+  constexpr int kSumsLd = kTcGemvRowsPerCta + 1;
+  static_assert(kTcGemvWarps * kTcGemvBatchTile * kSumsLd * 4 <= kTcGemvSmemBytes,
+                "the cross-warp sums must fit in the rings they reuse");
+  extern __shared__ float4 smem_f4[];  // [warp][stage][tile row][piece]; then sums [warp][b][row]
+  allow_dependent_launch();
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTcGemvRowsPerCta;
+  const int64_t split = blockIdx.y;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.z) * kTcGemvBatchTile;
+  const int64_t k_begin = split * p.k_per_split;
+  // Length of this split's K range; offsets inside it are ints (see GemmParams::k).
+  const int k_len = static_cast<int>(min(p.k_per_split, p.k - k_begin));
+  const int num_chunks = ceil_div(k_len, kTcGemvChunkK);
+  const int warp_chunks = warp < num_chunks ? ceil_div(num_chunks - warp, kTcGemvWarps) : 0;
+
+  // Copy round u: tile row 4 u + lane / 8 (weight rows, then batch rows), piece lane % 8.
+  constexpr int kCopyRounds = kTcGemvTileRows / 4;
+  const int copy_piece = lane % 8;
+  const float* src[kCopyRounds];
+  bool src_ok[kCopyRounds];
+#pragma unroll
+  for (int u = 0; u < kCopyRounds; ++u) {
+    const int row = 4 * u + lane / 8;
+    if (row < kTcGemvRowsPerCta) {
+      const int64_t n = n0 + row;
+      src_ok[u] = n < p.n;
+      src[u] = p.w + (src_ok[u] ? n : 0) * p.ldw + k_begin + 4 * copy_piece;
+    } else {
+      const int64_t b = b0 + row - kTcGemvRowsPerCta;
+      src_ok[u] = b < p.rows;
+      src[u] = p.x + (src_ok[u] ? b : 0) * p.ldx + k_begin + 4 * copy_piece;
+    }
+  }
+
+  // Piece c of tile row r sits at c ^ 4 (r % 2): a quarter warp (8 lanes) reads rows 2 i and
+  // 2 i + 1 at pieces 4 s + t, t = 0 .. 3, which then fall in 8 distinct 16-byte bank groups; the
+  // 8 lanes copying one row write its 8 pieces, a permutation.
+  auto slot = [](int row, int piece) { return row * 8 + (piece ^ (4 * (row % 2))); };
+  float4* const ring = smem_f4 + warp * kTcGemvStages * kStageF4;
+  const uint32_t ring_address = shared_address(ring);
+  // Chunk i of this warp (floats (warp + 8 i) 32 .. + 32 of the split) -> ring stage `stage`.
+  auto issue = [&](int i, int stage) {
+    const int k = (warp + i * kTcGemvWarps) * kTcGemvChunkK;
+    // Multiples of 4 on both sides: a lane's float4 is all in the split or all out.
+    const bool k_ok = k + 4 * copy_piece < k_len;
+#pragma unroll
+    for (int u = 0; u < kCopyRounds; ++u) {
+      const bool ok = src_ok[u] && k_ok;
+      const int f4 = stage * kStageF4 + slot(4 * u + lane / 8, copy_piece);
+      cp_async_16(ring_address + f4 * 16, ok ? src[u] + k : p.x, ok ? 16 : 0);
+    }
+  };
+
+  float acc[kTcGemvBatchFrags][kTcGemvRowFrags][4];
+  float total[kTcGemvBatchFrags][kTcGemvRowFrags][4];
+#pragma unroll
+  for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
+#pragma unroll
+    for (int j = 0; j < kTcGemvRowFrags; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[mf][j][e] = 0.f;
+        total[mf][j][e] = 0.f;
+      }
+    }
+  }
+
+  // One commit per chunk slot, even empty: before iteration i's wait, chunk i is group i of
+  // kTcGemvStages + i committed, so "at most kTcGemvStages - 1 pending" means it has landed.
+#pragma unroll
+  for (int s = 0; s < kTcGemvStages - 1; ++s) {
+    if (s < warp_chunks) issue(s, s);
+    cp_async_commit();
+  }
+  for (int i = 0; i < warp_chunks; ++i) {
+    __syncwarp();  // every lane is done reading the stage refilled here (iteration i - 1)
+    const int next = i + kTcGemvStages - 1;
+    if (next < warp_chunks) issue(next, next % kTcGemvStages);
+    cp_async_commit();
+    cp_async_wait<kTcGemvStages - 1>();
+    __syncwarp();  // chunk i, copied by all lanes, is visible to all
+
+    const float4* stage = ring + (i % kTcGemvStages) * kStageF4;
+#pragma unroll
+    for (int s = 0; s < kTcGemvSegments; ++s) {
+      float4 w_piece[kTcGemvRowFrags];      // weight row 8 j + g
+      float4 x_piece[kTcGemvBatchFrags][2];  // batch rows 16 mf + g, 16 mf + g + 8
+#pragma unroll
+      for (int j = 0; j < kTcGemvRowFrags; ++j) {
+        w_piece[j] = stage[slot(kTcMmaN * j + g, 4 * s + t)];
+      }
+#pragma unroll
+      for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          x_piece[mf][h] = stage[slot(kTcGemvRowsPerCta + kTcMmaM * mf + 8 * h + g, 4 * s + t)];
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        uint32_t b_big[kTcGemvRowFrags][2], b_small[kTcGemvRowFrags][2];
+#pragma unroll
+        for (int j = 0; j < kTcGemvRowFrags; ++j) {
+          const float4 v = w_piece[j];
+          split_tf32(__float_as_uint(q == 0 ? v.x : v.z), b_big[j][0], b_small[j][0]);
+          split_tf32(__float_as_uint(q == 0 ? v.y : v.w), b_big[j][1], b_small[j][1]);
+        }
+        uint32_t a_big[kTcGemvBatchFrags][4], a_small[kTcGemvBatchFrags][4];
+#pragma unroll
+        for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
+          const float4 lo = x_piece[mf][0];
+          const float4 hi = x_piece[mf][1];
+          split_tf32(__float_as_uint(q == 0 ? lo.x : lo.z), a_big[mf][0], a_small[mf][0]);
+          split_tf32(__float_as_uint(q == 0 ? hi.x : hi.z), a_big[mf][1], a_small[mf][1]);
+          split_tf32(__float_as_uint(q == 0 ? lo.y : lo.w), a_big[mf][2], a_small[mf][2]);
+          split_tf32(__float_as_uint(q == 0 ? hi.y : hi.w), a_big[mf][3], a_small[mf][3]);
+        }
+        auto mma_grid = [&acc](const uint32_t (&a)[kTcGemvBatchFrags][4],
+                               const uint32_t (&b)[kTcGemvRowFrags][2]) {
+#pragma unroll
+          for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
+#pragma unroll
+            for (int j = 0; j < kTcGemvRowFrags; ++j) mma_tf32_16x8x8(acc[mf][j], a[mf], b[j]);
+          }
+        };
+        mma_grid(a_small, b_big);
+        mma_grid(a_big, b_small);
+        mma_grid(a_big, b_big);
+      }
+    }
+#pragma unroll
+    for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
+#pragma unroll
+      for (int j = 0; j < kTcGemvRowFrags; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          total[mf][j][e] += acc[mf][j][e];
+          acc[mf][j][e] = 0.f;
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can remain
+
+  // Cross-warp sums in warp order through the rings: sums[warp][b][row] (row stride kSumsLd);
+  // c0..c3 of fragment (mf, j) are batch rows 16 mf + g (+ 8 for c2, c3) and weight rows
+  // 8 j + 2 t (+ 1 for c1, c3).
+  float* sums = reinterpret_cast<float*>(smem_f4);
+  __syncthreads();  // every warp is done with its ring
+#pragma unroll
+  for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
+#pragma unroll
+    for (int j = 0; j < kTcGemvRowFrags; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int b = kTcMmaM * mf + g + 8 * (e / 2);
+        const int row = kTcMmaN * j + 2 * t + e % 2;
+        sums[(warp * kTcGemvBatchTile + b) * kSumsLd + row] = total[mf][j][e];
+      }
+    }
+  }
+  __syncthreads();
+  for (int o = tid; o < kTcGemvBatchTile * kTcGemvRowsPerCta; o += kTcGemvThreads) {
+    const int bb = o / kTcGemvRowsPerCta;
+    const int row = o % kTcGemvRowsPerCta;
+    float sum = sums[bb * kSumsLd + row];
+#pragma unroll
+    for (int w = 1; w < kTcGemvWarps; ++w) sum += sums[(w * kTcGemvBatchTile + bb) * kSumsLd + row];
+    const int64_t b = b0 + bb;
+    const int64_t n = n0 + row;
+    if (b < p.rows && n < p.n) p.partial[split * p.split_stride + b * p.n + n] = sum;
   }
 }
 
