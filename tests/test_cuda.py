@@ -280,19 +280,19 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
     names = _gemm_kernels_run(run)
     assert any("wgmma" in n for n in names), names
-    # The SIMT GEMV serves up to 16 rows. From 17 to 32 the tensor-core GEMV serves where its grid
-    # keeps 75% of the SMs busy (forward.cu, kSimtMaxBatchWgmma): N x K = 512 x 4096 gives it 128
-    # CTAs (16 row tiles x 8 splits), 128 x 16400 132 (4 x 33), but 512 x 4100 only 96 (the
-    # splits rounded to 256 floats: 6), and that weight (over 2^21 floats) goes to the wgmma GEMM,
-    # whose grid fills the GPU; 128 x 2048 gives 32 and stays on the SIMT GEMV, as does the
-    # weight below under the knob (256 x 1024: 32 CTAs).
+    # The SIMT GEMV serves up to 16 rows, and from 17 to 32 on weights of at most 2^21 floats
+    # (128 x 16384 exactly). Over that the tensor-core GEMV serves where its grid keeps 75% of the
+    # SMs busy (forward.cu, kSimtMaxBatchWgmma): N x K = 512 x 8192 gives it 128 CTAs (16 row
+    # tiles x 8 splits), 128 x 16400 132 (4 x 33), but 512 x 4100 only 96 (the splits rounded to
+    # 256 floats: 6), and that weight goes to the wgmma GEMM, whose grid fills the GPU. Under the
+    # knob below, 256 x 1024 stays on the SIMT GEMV.
     cases = [
         (16, 4100, 512, "simt_splitk"),
-        (17, 4096, 512, "tf32x3_gemv"),
-        (32, 8192, 512, "tf32x3_gemv"),
+        (17, 8192, 512, "tf32x3_gemv"),
         (32, 16400, 128, "tf32x3_gemv"),
+        (24, 16384, 128, "simt_splitk"),
         (17, 4100, 512, "wgmma"),
-        (24, 2048, 128, "simt_splitk"),
+        (32, 4100, 512, "wgmma"),
     ]
     for batch, in_features, pooled, kernel in cases:
         x_b, weight_b, bias_b = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
@@ -323,18 +323,18 @@ def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs,
     assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
 
 
-# The tensor-core GEMV (17-32 rows where its grid fills the GPU; each shape is checked to run it):
-# batch tails (17 of 32 rows), weight-row tails (N % 32), K % 4 != 0, K tails inside a 32-float
-# chunk and a split, a last split of 4 floats (one warp working), warps with unequal chunk counts,
-# a single split, 129 splits, the default shape.
+# The tensor-core GEMV (17-32 rows, weights over 2^21 floats, where its grid fills the GPU; each
+# shape is checked to run it): batch tails (17 of 32 rows), weight-row tails (N % 32), K % 4 != 0,
+# K tails inside a 32-float chunk and a split, a last split of 4 floats (one warp working), warps
+# with unequal chunk counts, a single split, 131 splits, the default shape.
 TC_GEMV_SHAPES = [
     (17, 8192, 512),
     (32, 8192, 512),
-    (24, 8195, 100),
+    (24, 32771, 100),
     (20, 4100, 1000),
-    (18, 300, 3200),
+    (18, 1100, 3200),
     (25, 1024, 4000),
-    (31, 65540, 3),
+    (31, 700004, 3),
 ]
 
 

@@ -70,25 +70,25 @@ namespace fg = forward_gemm;
 constexpr int64_t kSimtMaxBatch = 32;
 
 // From kSimtMaxBatchWgmma + 1 rows (where the SIMT GEMV takes a second 16-row batch tile, which
-// reads the weight again) to kSimtMaxBatch, the tensor-core GEMV (3xTF32 on a 32-row batch tile,
-// forward_gemm.cuh; on devices with the shared memory for it: Hopper) serves when its grid keeps
-// kMinBusySmPercent of the SMs busy. H200 own times, GEMV kernel, B = 24 / 32
-// (profile_forward.py, 2026-11-30 17:12-17:14 UTC, two rounds): N x K = 512 x 8192 (16 MB, the
-// wgmma GEMM's before) 14.5 / 14.5 -> 10.7-10.9 / 10.9-11.0 us, medians 21.7 / 21.7 -> 17.6-17.7
-// / 17.8-17.9; 128 x 16384 (the SIMT GEMV's) 10.2-10.3 / 10.3 -> 8.1-8.2 / 8.3-8.5, medians
-// 15.5-15.9 / 15.4-15.7 -> 13.6-13.8 / 14.0-14.1; 1024 x 2048 10.0-10.1 / 10.0-10.2 -> 7.7 /
-// 8.0-8.1, but the epilogue after it took 5.8 us instead of 3.5 (not explained) and the medians
-// came out 17.0-17.1 / 17.2-17.4 -> 17.3-17.8 / 17.3-18.8. Where its grid is narrow (128 x 2048:
-// 32 CTAs) it lost to the SIMT GEMV (4.8 / 4.9 against 3.8 / 3.7, an earlier form at 16:59-17:02
-// UTC); there, and on devices without it, the rule below applies. Up to 16 rows the exact SIMT
-// GEMV stays: it keeps float32 denormals and the largest values exact (docs/input_classes.md),
-// which 3xTF32 does not; on the default shape the tensor-core GEMV would take 11.3 -> 9.3 us at
-// B = 16.
-//
-// Else, where the wgmma GEMM serves (sm_90a), it takes over from kSimtMaxBatchWgmma + 1 rows when
-// the weight holds more than kWgmmaSmallBatchMinWeightFloats floats and the GEMM's grid keeps
-// kMinBusySmPercent of the SMs busy. H200 own times, GEMM + epilogue, B = 24 / 32
-// (profile_forward.py, 2026-11-30 14:33-14:41 UTC), GEMV against wgmma: N x K = 512 x 8192 (16 MB)
+// reads the weight again) to kSimtMaxBatch, weights of more than kTcSmallBatchMinWeightFloats
+// floats go to a 3xTF32 tensor-core kernel, the same accuracy class as the larger batches'
+// (smaller weights keep the SIMT GEMV's exact float32 FMAs, and with them exact denormals and
+// largest values, docs/input_classes.md; 3xTF32's per-product error, up to ~2^-20 relative, is
+// 16-48x float32's and came to 1.2e-6 of a 3-row output on the GPU suite's small shapes):
+//   - the tensor-core GEMV (3xTF32 on a 32-row batch tile, forward_gemm.cuh; on devices with the
+//     shared memory for it: Hopper) when its grid keeps kMinBusySmPercent of the SMs busy;
+//   - else, where the wgmma GEMM serves (sm_90a), that GEMM when its grid does.
+// H200 own times, GEMV kernel, B = 24 / 32 (profile_forward.py, 2026-11-30 17:12-17:14 UTC, two
+// rounds): N x K = 512 x 8192 (16 MB) wgmma 14.5 / 14.5 -> tensor-core GEMV 10.7-10.9 /
+// 10.9-11.0 us, medians 21.7 / 21.7 -> 17.6-17.7 / 17.8-17.9. On smaller weights it also beat the
+// SIMT GEMV (128 x 16384: 10.2-10.3 / 10.3 -> 8.1-8.5 us, medians 15.4-15.9 -> 13.6-14.1; 256 x
+// 4096 6.9 / 7.0 -> 6.3 / 6.4), but is not used there for the accuracy above; on 1024 x 2048 its
+// 4 splits (against the SIMT GEMV's 2) made the epilogue 3.5 -> 5.8 us and the medians 17.0-17.4
+// -> 17.3-18.8, and on narrow grids (128 x 2048: 32 CTAs) it lost (4.8 / 4.9 against 3.8 / 3.7,
+// an earlier form, 16:59-17:02 UTC). Up to 16 rows the exact SIMT GEMV stays at every weight
+// size, though on the default shape the tensor-core GEMV would take B = 16 from 11.3 to 9.3 us.
+// The wgmma GEMM against the SIMT GEMV at B = 24 / 32 (profile_forward.py, 2026-11-30
+// 14:33-14:41 UTC), GEMV against wgmma, GEMM + epilogue: N x K = 512 x 8192 (16 MB)
 // 19.6 / 20.8 against 18.4 / 18.4 us; at 8 MB the GEMV 13.2 / 14.3-14.6 at 512 x 4096, 12.7 / 12.9
 // at 256 x 8192, 12.3 / 12.2 at 128 x 16384 against the wgmma GEMM's 13.7, 13.4 and 15.9 at
 // 12:59-13:14 UTC (64 CTAs at 128 x 16384, kTcMaxSplits: 128 splits would shorten the GEMM by 3.5
@@ -96,7 +96,7 @@ constexpr int64_t kSimtMaxBatch = 32;
 // 19.1 against 16.0 at 13:07 UTC, with the GEMV's former 32-row tile), smaller ones the GEMV (256 x
 // 4096: 9.4 / 9.5 against 11.1).
 constexpr int64_t kSimtMaxBatchWgmma = 16;
-constexpr int64_t kWgmmaSmallBatchMinWeightFloats = int64_t{1} << 21;
+constexpr int64_t kTcSmallBatchMinWeightFloats = int64_t{1} << 21;
 
 // The certified path (see the top) from this batch on: kCertifiedMinBatch rows when it makes the
 // weight's fp16 copy itself, kCertifiedPreparedMinBatch when the caller passes one
@@ -695,7 +695,8 @@ int64_t rows_per_slice(int64_t batch, int64_t n) {
 // Whether the tensor-core GEMV runs a slice of `rows` rows (see kSimtMaxBatchWgmma).
 bool tc_gemv_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padded,
                     int64_t split_cap) {
-  if (rows <= kSimtMaxBatchWgmma || rows > kSimtMaxBatch || info.tc_gemv_ctas_per_sm == 0) {
+  if (rows <= kSimtMaxBatchWgmma || rows > kSimtMaxBatch || info.tc_gemv_ctas_per_sm == 0 ||
+      n * k_padded <= kTcSmallBatchMinWeightFloats) {
     return false;
   }
   const TcGemvPlan plan = plan_tc_gemv(info, rows, n, k_padded, split_cap);
@@ -706,7 +707,7 @@ bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padd
                  int64_t split_cap) {
   if (rows <= kSimtMaxBatchWgmma || info.tc_ctas_per_sm == 0) return true;
   if (rows > kSimtMaxBatch) return false;
-  if (!wgmma_serves(info) || n * k_padded <= kWgmmaSmallBatchMinWeightFloats) return true;
+  if (!wgmma_serves(info) || n * k_padded <= kTcSmallBatchMinWeightFloats) return true;
   const TcPlan tc = plan_tc(info, rows, n, k_padded, split_cap);
   return !keeps_sms_busy(info, tc_tiles(rows, n) * tc.splits);
 }
