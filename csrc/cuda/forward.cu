@@ -690,8 +690,6 @@ int64_t rows_per_slice(int64_t batch, int64_t n) {
   return rows >= fg::kTcBlockM ? rows / fg::kTcBlockM * fg::kTcBlockM : rows;
 }
 
-// Whether the SIMT GEMV, rather than a tensor-core GEMM, runs a slice of `rows` rows (see
-// kSimtMaxBatch and kSimtMaxBatchWgmma).
 // Whether the tensor-core GEMV runs a slice of `rows` rows (see kSimtMaxBatchWgmma).
 bool tc_gemv_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padded,
                     int64_t split_cap) {
@@ -703,6 +701,8 @@ bool tc_gemv_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_p
   return keeps_sms_busy(info, ceil_div(n, int64_t{fg::kTcGemvRowsPerCta}) * plan.splits);
 }
 
+// Whether the SIMT GEMV, rather than a tensor-core GEMM, runs a slice of `rows` rows that the
+// tensor-core GEMV does not (see kSimtMaxBatch and kSimtMaxBatchWgmma).
 bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padded,
                  int64_t split_cap) {
   if (rows <= kSimtMaxBatchWgmma || info.tc_ctas_per_sm == 0) return true;

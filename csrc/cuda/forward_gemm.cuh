@@ -766,8 +766,9 @@ constexpr int kTcGemvSplitK = kTcGemvWarps * kTcGemvChunkK;       // split granu
 // A stage: the chunk of every weight row and batch row, [tile row][8 pieces of 16 bytes].
 constexpr int kTcGemvTileRows = kTcGemvRowsPerCta + kTcGemvBatchTile;
 constexpr int kTcGemvStageBytes = kTcGemvTileRows * kTcGemvChunkK * 4;  // 8 KB
-// 3 stages x 8 warps x 8 KB = 192 KB: one CTA per SM, 64 KB of weight and x in flight per SM
-// (Hopper; devices with less shared memory per block keep the SIMT GEMV and the wgmma GEMM).
+// 3 stages x 8 warps x 8 KB = 192 KB: one CTA per SM, two stages (128 KB, half of it weight) in
+// flight per SM (Hopper; devices with less shared memory per block keep the SIMT GEMV and the
+// wgmma GEMM).
 constexpr int kTcGemvStages = 3;
 constexpr int kTcGemvSmemBytes = kTcGemvWarps * kTcGemvStages * kTcGemvStageBytes;
 
