@@ -81,10 +81,10 @@ constexpr int64_t kSimtMaxBatch = 32;
 // H200 own times, GEMV kernel, B = 24 / 32 (profile_forward.py, 2026-11-30 17:12-17:14 UTC, two
 // rounds): N x K = 512 x 8192 (16 MB) wgmma 14.5 / 14.5 -> tensor-core GEMV 10.7-10.9 /
 // 10.9-11.0 us, medians 21.7 / 21.7 -> 17.6-17.7 / 17.8-17.9. Other 16 MB weights, medians at
-// B = 17 / 24 / 32 (17:33-17:34 UTC, two rounds, c7d780f against 1356b77): 1024 x 4096 30.5-39.9
+// B = 17 / 24 / 32 (17:33-17:34 UTC, two rounds, c7d780f against 1356b77): 4096 x 1024 30.5-39.9
 // / 32.4-34.9 / 32.6-33.8 -> 22.7-23.2 / 24.6-24.8 / 27.2-27.4 (the epilogue over 4096 columns
-// takes 8.8-13.0 us of it); 2048 x 2048 24.5-24.7 -> 20.3-20.4 / 21.5-21.8 / 23.8-23.9; 4096 x
-// 1024 23.1-23.2 -> 18.9-19.1 / 20.2-20.3 / 20.1-20.4. On smaller weights it also beat the
+// takes 8.8-13.0 us of it); 2048 x 2048 24.5-24.7 -> 20.3-20.4 / 21.5-21.8 / 23.8-23.9; 1024 x
+// 4096 23.1-23.2 -> 18.9-19.1 / 20.2-20.3 / 20.1-20.4. On smaller weights it also beat the
 // SIMT GEMV (128 x 16384: 10.2-10.3 / 10.3 -> 8.1-8.5 us, medians 15.4-15.9 -> 13.6-14.1; 256 x
 // 4096 6.9 / 7.0 -> 6.3 / 6.4), but is not used there for the accuracy above; on 1024 x 2048 its
 // 4 splits (against the SIMT GEMV's 2) made the epilogue 3.5 -> 5.8 us and the medians 17.0-17.4
