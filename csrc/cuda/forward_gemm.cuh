@@ -108,6 +108,45 @@ __device__ __forceinline__ void split_tf32(uint32_t v, uint32_t& big, uint32_t& 
   small = __float_as_uint(__uint_as_float(v) - __uint_as_float(big)) & kTf32Mask;
 }
 
+// acc += a b in 3xTF32 over a kM x kN grid of m16n8k8 tiles (fragment m with fragment n): the
+// small terms first (as CUTLASS's OpMultiplyAddFastF32), the big x big product last.
+template <int kM, int kN>
+__device__ __forceinline__ void mma_3xtf32_grid(float (&acc)[kM][kN][4],
+                                                const uint32_t (&a_big)[kM][4],
+                                                const uint32_t (&a_small)[kM][4],
+                                                const uint32_t (&b_big)[kN][2],
+                                                const uint32_t (&b_small)[kN][2]) {
+  auto grid = [&acc](const uint32_t (&a)[kM][4], const uint32_t (&b)[kN][2]) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n) mma_tf32_16x8x8(acc[m][n], a[m], b[n]);
+    }
+  };
+  grid(a_small, b_big);
+  grid(a_big, b_small);
+  grid(a_big, b_big);
+}
+
+// The second level of the tensor-core kernels' two-level accumulation: total += acc (fp32 adds,
+// round to nearest), then acc = 0 for the next K tile's mma chain (tensor cores truncate as they
+// accumulate; see tf32x3_splitk_kernel).
+template <int kM, int kN>
+__device__ __forceinline__ void flush_into_total(float (&total)[kM][kN][4],
+                                                 float (&acc)[kM][kN][4]) {
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        total[m][n][e] += acc[m][n][e];
+        acc[m][n][e] = 0.f;
+      }
+    }
+  }
+}
+
 // What every split-K GEMM kernel of the forward gets (one launch covers `rows` rows of x).
 struct GemmParams {
   const float* x;         // [rows, k], row stride ldx
@@ -612,19 +651,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const Gemm
   // is then added into `total` (plain fp32 adds, round to nearest) and cleared. Tensor cores
   // accumulate with truncation (Fasi et al. 2021): one chain over K = 8192 (3072 mma) would bias
   // the sums by ~1e-4 relative in a CPU model of that, against ~6e-7 with a flush per K tile.
-  float acc[kTcFragsM][kTcFragsN][4];
-  float total[kTcFragsM][kTcFragsN][4];
-#pragma unroll
-  for (int mt = 0; mt < kTcFragsM; ++mt) {
-#pragma unroll
-    for (int nt = 0; nt < kTcFragsN; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[mt][nt][e] = 0.f;
-        total[mt][nt][e] = 0.f;
-      }
-    }
-  }
+  float acc[kTcFragsM][kTcFragsN][4] = {};
+  float total[kTcFragsM][kTcFragsN][4] = {};
 
   // Prologue: tiles 0 .. kTcStages - 2. One commit per tile slot, even when empty, so that the
   // group count stays "tile index + 1" and the wait below is exact.
@@ -668,30 +696,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const Gemm
         split_tf32(r[2], b_big[2 * np + 1][0], b_small[2 * np + 1][0]);
         split_tf32(r[3], b_big[2 * np + 1][1], b_small[2 * np + 1][1]);
       }
-      // acc += a b over the warp's fragment grid, one 16x8x8 MMA per fragment pair.
-      auto mma_grid = [&acc](const uint32_t (&a)[kTcFragsM][4], const uint32_t (&b)[kTcFragsN][2]) {
-#pragma unroll
-        for (int mt = 0; mt < kTcFragsM; ++mt) {
-#pragma unroll
-          for (int nt = 0; nt < kTcFragsN; ++nt) mma_tf32_16x8x8(acc[mt][nt], a[mt], b[nt]);
-        }
-      };
-      // Small terms first (as CUTLASS's OpMultiplyAddFastF32), the big x big product last.
-      mma_grid(a_small, b_big);
-      mma_grid(a_big, b_small);
-      mma_grid(a_big, b_big);
+      mma_3xtf32_grid(acc, a_big, a_small, b_big, b_small);
     }
-#pragma unroll
-    for (int mt = 0; mt < kTcFragsM; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < kTcFragsN; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          total[mt][nt][e] += acc[mt][nt][e];
-          acc[mt][nt][e] = 0.f;
-        }
-      }
-    }
+    flush_into_total(total, acc);
   }
   cp_async_wait<0>();  // only empty groups can remain; drained for tidiness
 
@@ -834,19 +841,8 @@ __global__ void __launch_bounds__(kTcGemvThreads, 1) tf32x3_gemv_splitk_kernel(c
     }
   };
 
-  float acc[kTcGemvBatchFrags][kTcGemvRowFrags][4];
-  float total[kTcGemvBatchFrags][kTcGemvRowFrags][4];
-#pragma unroll
-  for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
-#pragma unroll
-    for (int j = 0; j < kTcGemvRowFrags; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[mf][j][e] = 0.f;
-        total[mf][j][e] = 0.f;
-      }
-    }
-  }
+  float acc[kTcGemvBatchFrags][kTcGemvRowFrags][4] = {};
+  float total[kTcGemvBatchFrags][kTcGemvRowFrags][4] = {};
 
   // One commit per chunk slot, even empty: before iteration i's wait, chunk i is group i of
   // kTcGemvStages + i committed, so "at most kTcGemvStages - 1 pending" means it has landed.
@@ -898,30 +894,10 @@ __global__ void __launch_bounds__(kTcGemvThreads, 1) tf32x3_gemv_splitk_kernel(c
           split_tf32(__float_as_uint(q == 0 ? lo.y : lo.w), a_big[mf][2], a_small[mf][2]);
           split_tf32(__float_as_uint(q == 0 ? hi.y : hi.w), a_big[mf][3], a_small[mf][3]);
         }
-        auto mma_grid = [&acc](const uint32_t (&a)[kTcGemvBatchFrags][4],
-                               const uint32_t (&b)[kTcGemvRowFrags][2]) {
-#pragma unroll
-          for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
-#pragma unroll
-            for (int j = 0; j < kTcGemvRowFrags; ++j) mma_tf32_16x8x8(acc[mf][j], a[mf], b[j]);
-          }
-        };
-        mma_grid(a_small, b_big);
-        mma_grid(a_big, b_small);
-        mma_grid(a_big, b_big);
+        mma_3xtf32_grid(acc, a_big, a_small, b_big, b_small);
       }
     }
-#pragma unroll
-    for (int mf = 0; mf < kTcGemvBatchFrags; ++mf) {
-#pragma unroll
-      for (int j = 0; j < kTcGemvRowFrags; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          total[mf][j][e] += acc[mf][j][e];
-          acc[mf][j][e] = 0.f;
-        }
-      }
-    }
+    flush_into_total(total, acc);
   }
   cp_async_wait<0>();  // only empty groups can remain
 
