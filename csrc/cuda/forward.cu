@@ -469,12 +469,30 @@ Operand as_kernel_operand(const at::Tensor& t, int64_t k_padded) {
   return Operand{buffer, buffer.const_data_ptr<float>(), k_padded};
 }
 
-// Split-K plan of the SIMT GEMV: one wave of resident CTAs.
+// The GEMVs' split of K: about target_ctas CTAs for `tiles` output tiles (one wave of resident
+// CTAs, all weight loads in flight at once), each split a whole number of `granularity` floats.
+struct SplitK {
+  int64_t splits;
+  int64_t k_per_split;
+};
+
+SplitK one_wave_split_k(int64_t target_ctas, int64_t tiles, int64_t k_padded, int64_t granularity,
+                        int64_t split_cap) {
+  const int64_t max_splits = ceil_div(k_padded, granularity);
+  const int64_t splits = std::clamp<int64_t>(target_ctas / tiles, 1,
+                                             std::min({max_splits, kMaxGridYZ, split_cap}));
+  SplitK plan{};
+  plan.k_per_split = ceil_div(ceil_div(k_padded, splits), granularity) * granularity;
+  // Recounting after the rounding up leaves no empty split.
+  plan.splits = ceil_div(k_padded, plan.k_per_split);
+  return plan;
+}
+
+// Split-K plan of the SIMT GEMV.
 struct SimtPlan {
   int tile_index;  // into kSimtBatchTiles
   int batch_tile;
-  int64_t splits;
-  int64_t k_per_split;
+  SplitK split_k;
 };
 
 SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
@@ -492,34 +510,18 @@ SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_p
   const int64_t b_tiles = ceil_div(batch, int64_t{plan.batch_tile});
   const int64_t target_ctas = static_cast<int64_t>(info.sms) *
                               std::min(info.simt_ctas_per_sm[plan.tile_index], kSimtMaxCtasPerSm);
-  const int64_t max_splits = ceil_div(k_padded, int64_t{fg::kSimtChunkK});
-  const int64_t splits = std::clamp<int64_t>(target_ctas / (n_tiles * b_tiles), 1,
-                                             std::min({max_splits, kMaxGridYZ, split_cap}));
-  // Whole chunks per split; recounting afterwards leaves no empty split.
-  plan.k_per_split = ceil_div(ceil_div(k_padded, splits), int64_t{fg::kSimtChunkK}) * fg::kSimtChunkK;
-  plan.splits = ceil_div(k_padded, plan.k_per_split);
+  plan.split_k = one_wave_split_k(target_ctas, n_tiles * b_tiles, k_padded, fg::kSimtChunkK,
+                                  split_cap);
   return plan;
 }
 
-// Split-K plan of the tensor-core GEMV: one wave of resident CTAs, as the SIMT GEMV's.
-struct TcGemvPlan {
-  int64_t splits;
-  int64_t k_per_split;
-};
-
-TcGemvPlan plan_tc_gemv(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
-                        int64_t split_cap) {
+// Split-K plan of the tensor-core GEMV.
+SplitK plan_tc_gemv(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
+                    int64_t split_cap) {
   const int64_t n_tiles = ceil_div(n, int64_t{fg::kTcGemvRowsPerCta});
   const int64_t b_tiles = ceil_div(batch, int64_t{fg::kTcGemvBatchTile});
   const int64_t target_ctas = static_cast<int64_t>(info.sms) * info.tc_gemv_ctas_per_sm;
-  const int64_t max_splits = ceil_div(k_padded, int64_t{fg::kTcGemvSplitK});
-  const int64_t splits = std::clamp<int64_t>(target_ctas / (n_tiles * b_tiles), 1,
-                                             std::min({max_splits, kMaxGridYZ, split_cap}));
-  TcGemvPlan plan{};
-  plan.k_per_split =
-      ceil_div(ceil_div(k_padded, splits), int64_t{fg::kTcGemvSplitK}) * fg::kTcGemvSplitK;
-  plan.splits = ceil_div(k_padded, plan.k_per_split);
-  return plan;
+  return one_wave_split_k(target_ctas, n_tiles * b_tiles, k_padded, fg::kTcGemvSplitK, split_cap);
 }
 
 // Split-K plan of the 3xTF32 GEMM (both kernels use the same 128 x 128 x 32 tiles).
@@ -607,9 +609,9 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
   dispatch_simt_batch_tile(plan.tile_index, [&](auto tile) {
     constexpr int kTile = decltype(tile)::value;
     for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
-      const fg::GemmParams p = gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split,
-                                           row0, rows_per_launch);
-      const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(plan.splits),
+      const fg::GemmParams p = gemm_params(x, w, partial, batch, n, k_padded,
+                                           plan.split_k.k_per_split, row0, rows_per_launch);
+      const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(plan.split_k.splits),
                       static_cast<unsigned>(ceil_div(p.rows, int64_t{kTile})));
       fg::simt_splitk_kernel<kTile>
           <<<grid, fg::kSimtThreads, fg::simt_smem_bytes<kTile>(), stream>>>(p);
@@ -618,7 +620,7 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
   });
 }
 
-void launch_tc_gemv(const TcGemvPlan& plan, const Operand& x, const Operand& w, float* partial,
+void launch_tc_gemv(const SplitK& plan, const Operand& x, const Operand& w, float* partial,
                     int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
   const int64_t n_tiles = ceil_div(n, int64_t{fg::kTcGemvRowsPerCta});
   TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
@@ -701,7 +703,7 @@ bool tc_gemv_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_p
       n * k_padded <= kTcSmallBatchMinWeightFloats) {
     return false;
   }
-  const TcGemvPlan plan = plan_tc_gemv(info, rows, n, k_padded, split_cap);
+  const SplitK plan = plan_tc_gemv(info, rows, n, k_padded, split_cap);
   return keeps_sms_busy(info, ceil_div(n, int64_t{fg::kTcGemvRowsPerCta}) * plan.splits);
 }
 
@@ -720,7 +722,7 @@ bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padd
 struct GemmPlan {
   enum class Kind { kRowwise, kSimt, kTcGemv, kTc } kind;
   SimtPlan simt;
-  TcGemvPlan tc_gemv;
+  SplitK tc_gemv;
   TcPlan tc;
   int64_t splits;
 };
@@ -738,7 +740,7 @@ GemmPlan plan_gemm(const DeviceInfo& info, bool rowwise, int64_t rows, int64_t n
   } else if (simt_serves(info, rows, n, k_padded, split_cap)) {
     plan.kind = GemmPlan::Kind::kSimt;
     plan.simt = plan_simt(info, rows, n, k_padded, split_cap);
-    plan.splits = plan.simt.splits;
+    plan.splits = plan.simt.split_k.splits;
   } else {
     plan.kind = GemmPlan::Kind::kTc;
     plan.tc = plan_tc(info, rows, n, k_padded, split_cap);
