@@ -199,6 +199,12 @@ constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // (ptxas -v: 128 at the bound of 32 with two outputs in flight); the batches that take many splits
 // are the small ones, whose epilogue runs one CTA per row on an otherwise idle GPU.
 constexpr int kEpilogueMaxSplitBound = 64;
+// The epilogue is a programmatic dependent of the GEMM (sm_90+): its CTAs are placed while the
+// GEMM's still run, on whatever SMs have room, and a small grid piled onto the few SMs the GEMM
+// left free (24 rows of N = 4096 after a 128-CTA GEMV: 6 CTAs on each of 4 SMs, 8.8-13 us for
+// ~1 us of work per row). Up to this many CTAs per SM of a small grid, the launch asks for the
+// shared memory that lets no more than ceil(CTAs / SMs) share an SM (unused: only the placement).
+constexpr int kEpilogueMaxSpreadCtasPerSm = 4;
 
 // The split-K workspace (splits x rows x N floats) stays within this: larger batches go through
 // GEMM + epilogue in slices of rows, and the planners cap the splits of a slice. Unbounded, it
@@ -295,6 +301,17 @@ __global__ void __launch_bounds__(kEpilogueThreads)
   }
 }
 
+// Calls f(kernel) for each CTA-per-row epilogue instance: every split bound and output type.
+template <int kSplitBound = 0, typename F>
+void for_each_row_epilogue(F&& f) {
+  f(argmax_epilogue_kernel<kEpilogueThreads, kSplitBound, float>);
+  f(argmax_epilogue_kernel<kEpilogueThreads, kSplitBound, at::Half>);
+  f(argmax_epilogue_kernel<kEpilogueThreads, kSplitBound, at::BFloat16>);
+  if constexpr (kSplitBound < kEpilogueMaxSplitBound) {
+    for_each_row_epilogue<kSplitBound == 0 ? 1 : 2 * kSplitBound>(f);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Host side.
 // ------------------------------------------------------------------------------------------------
@@ -353,6 +370,9 @@ struct DeviceInfo {
   // 0 unless the wgmma kernel can run here: a compute capability 9.0 device, a build holding
   // sm_90a code (FPG_WITH_SM90A) and that code being what the driver picked for this device.
   int wgmma_ctas_per_sm = 0;
+  // [c]: the dynamic shared memory that holds the CTA-per-row epilogue to at most c CTAs per SM
+  // (kEpilogueMaxSpreadCtasPerSm); 0 where the device cannot give it.
+  int epilogue_spread_smem[kEpilogueMaxSpreadCtasPerSm + 1] = {};
 };
 
 #ifndef FPG_WITH_SM90A
@@ -417,6 +437,17 @@ const DeviceInfo& device_info(int device) {
       set_max_dynamic_smem(fg::tf32x3_splitk_kernel, fg::kTcSmemBytes);
       info->tc_ctas_per_sm =
           resident_ctas_per_sm(fg::tf32x3_splitk_kernel, fg::kTcThreads, fg::kTcSmemBytes);
+    }
+    // A CTA taking more than 1 / (c + 1) of an SM's shared memory leaves room for at most c.
+    int smem_per_sm = 0;
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    const int spread_smem_max = smem_per_sm / 2 + 1;
+    if (spread_smem_max <= max_smem_optin) {
+      for_each_row_epilogue([&](auto kernel) { set_max_dynamic_smem(kernel, spread_smem_max); });
+      for (int c = 1; c <= kEpilogueMaxSpreadCtasPerSm; ++c) {
+        info->epilogue_spread_smem[c] = smem_per_sm / (c + 1) + 1;
+      }
     }
     int major = 0, minor = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -1065,7 +1096,8 @@ void certified_rescore(const Operand& x, const Operand& w, const float* bias, fl
 
 template <typename out_t>
 void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argmax,
-                     at::Tensor& preactivation, bool dependent_launch, cudaStream_t stream) {
+                     at::Tensor& preactivation, const DeviceInfo& info, bool dependent_launch,
+                     cudaStream_t stream) {
   auto launch = [&](auto threads_per_row, auto split_bound) {
     constexpr int kThreadsPerRow = decltype(threads_per_row)::value;
     constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
@@ -1073,8 +1105,12 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
     TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu.forward: batch too large (", p.batch, ")");
     cudaLaunchAttribute attribute{};
     cudaLaunchConfig_t config =
-        dependent_launch_config(blocks, kEpilogueThreads, stream, attribute);
-    config.numAttrs = dependent_launch ? 1 : 0;
+        dependent_launch_config(blocks, kEpilogueThreads, stream, attribute, dependent_launch);
+    const int64_t ctas_per_sm = ceil_div(blocks, int64_t{info.sms});
+    if (dependent_launch && kThreadsPerRow == kEpilogueThreads &&
+        ctas_per_sm <= kEpilogueMaxSpreadCtasPerSm) {
+      config.dynamicSmemBytes = info.epilogue_spread_smem[ctas_per_sm];
+    }
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &config, argmax_epilogue_kernel<kThreadsPerRow, decltype(split_bound)::value, out_t>, p,
         out.data_ptr<out_t>(), argmax.data_ptr<int64_t>(), preactivation.data_ptr<out_t>()));
@@ -1174,14 +1210,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     at::Tensor preactivation_slice = rows_of(preactivation);
     switch (x.scalar_type()) {
       case at::kFloat:
-        launch_epilogue<float>(p, out_slice, argmax_slice, preactivation_slice, pdl, stream);
+        launch_epilogue<float>(p, out_slice, argmax_slice, preactivation_slice, info, pdl,
+                               stream);
         break;
       case at::kHalf:
-        launch_epilogue<at::Half>(p, out_slice, argmax_slice, preactivation_slice, pdl, stream);
+        launch_epilogue<at::Half>(p, out_slice, argmax_slice, preactivation_slice, info, pdl,
+                                  stream);
         break;
       case at::kBFloat16:
-        launch_epilogue<at::BFloat16>(p, out_slice, argmax_slice, preactivation_slice, pdl,
-                                      stream);
+        launch_epilogue<at::BFloat16>(p, out_slice, argmax_slice, preactivation_slice, info,
+                                      pdl, stream);
         break;
       default: TORCH_CHECK(false, "fused_pool_gelu.forward: unreachable dtype ", x.scalar_type());
     }
