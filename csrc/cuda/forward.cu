@@ -200,10 +200,15 @@ constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // are the small ones, whose epilogue runs one CTA per row on an otherwise idle GPU.
 constexpr int kEpilogueMaxSplitBound = 64;
 // The epilogue is a programmatic dependent of the GEMM (sm_90+): its CTAs are placed while the
-// GEMM's still run, on whatever SMs have room, and a small grid piled onto the few SMs the GEMM
-// left free (24 rows of N = 4096 after a 128-CTA GEMV: 6 CTAs on each of 4 SMs, 8.8-13 us for
-// ~1 us of work per row). Up to this many CTAs per SM of a small grid, the launch asks for the
-// shared memory that lets no more than ceil(CTAs / SMs) share an SM (unused: only the placement).
+// GEMM's still run, wherever there is room, and a small grid piled onto the few SMs the GEMM left
+// free (a 128-CTA GEMM leaves 4 of 132). Up to this many CTAs per SM, the launch asks for the
+// shared memory (unused) that lets no more than ceil(CTAs / SMs) share an SM. Epilogue own times
+// and medians, H200, main -> spread (profile_forward.py, 2026-11-30 18:37-18:41 UTC, three
+// rounds), K x N = 1024 x 4096 at B = 24 / 32 / 128 / 256: 10.1 / 12.7 / 14.8 / 16.0 -> 5.7 /
+// 5.7 / 10.5 / 8.9 us, medians 24.5 / 27.2 / 34.9 / 44.2 -> 19.9 / 20.1 / 30.6 / 37.4; the
+// default shape (8192 x 512) at B = 16 / 24 / 32 / 128: 2.6 / 3.3 / 3.3 / 4.1 -> 2.3 / 2.3 / 2.3 /
+// 3.5, medians 17.2 / 17.7 / 18.0 / 23.9 -> 17.1 / 16.6 / 16.9 / 23.5; 4096 x 1024 at B = 24:
+// 5.9 -> 3.6, median 20.0 -> 17.9; B = 256 unchanged or faster.
 constexpr int kEpilogueMaxSpreadCtasPerSm = 4;
 
 // The split-K workspace (splits x rows x N floats) stays within this: larger batches go through
