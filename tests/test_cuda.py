@@ -11,6 +11,8 @@ matmuls (no TF32) so that it is the reference the contract means.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -318,6 +320,39 @@ EPILOGUE_SPLITS = [256, 512, 768, 1280, 2048, 12288, 16384, 65536]
 def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs, check_forward):
     x, weight, bias = make_inputs(8, in_features, 3, torch.float32, DEVICE)
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    _, v64 = _pooled64_values(x, weight, bias, 2.0)
+    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+
+
+# The epilogue's wide-row CTAs (forward.cu: 1024 threads per row for N >= 2048 at 1-4 splits), at
+# each of their split bounds and with N tails, and the 256-thread CTA just below: (batch,
+# in_features, pooled, CTA threads, the split bounds its plan may take).
+WIDE_ROW_SHAPES = [
+    (2, 300, 2049, 1024, {1}),        # row-parallel GEMV: one split
+    (9, 1000, 2100, 1024, {2, 4}),    # SIMT GEMV: 2 or 4 splits (its CTAs per SM)
+    (200, 1000, 2050, 1024, {4}),     # 3xTF32 GEMM: 34 tiles, 3 splits of 11 K tiles
+    (2, 300, 2047, 256, {1}),
+]
+
+
+@pytest.mark.profiler
+@pytest.mark.parametrize(
+    "batch,in_features,pooled,threads,bounds",
+    WIDE_ROW_SHAPES,
+    ids=[f"B{b}-K{k}-N{n}" for b, k, n, _, _ in WIDE_ROW_SHAPES],
+)
+def test_wide_row_epilogue_matches_float64(batch, in_features, pooled, threads, bounds, make_inputs,
+                                           check_forward):
+    x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
+    run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
+    epilogues = [re.search(r"argmax_epilogue_kernel<(\d+), (\d+), float>", name)
+                 for name in _kernels_run(run)]
+    launched = {(int(m.group(1)), int(m.group(2))) for m in epilogues if m}
+    assert len(launched) == 1, launched
+    ((cta_threads, bound),) = launched
+    assert cta_threads == threads and bound in bounds, launched
+    out, argmax, preactivation = run()
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     _, v64 = _pooled64_values(x, weight, bias, 2.0)
     assert _relative_error(out, v64.max(dim=1).values) <= 1e-6

@@ -191,6 +191,18 @@ constexpr int64_t kTcMaxSplitWaves = 4;
 // (8192 rows = 8192 warps = 64 per SM on 132 SMs).
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
+// Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, 24 rows
+// of N = 4096 (1 split) took 5.7 us of epilogue on 24 SMs, each thread's 16 GELUs a chain of
+// dependent steps that 8 warps per SM cannot hide. 1024 threads allow at most 64 registers, which
+// the loads of two outputs in flight fit up to kEpilogueWideRowMaxSplitBound splits.
+constexpr int kEpilogueWideRowThreads = 1024;
+constexpr int64_t kEpilogueWideRowMinColumns = 2048;
+constexpr int kEpilogueWideRowMaxSplitBound = 4;
+
+// The CTA size of the epilogue with kThreadsPerRow threads per row (32: a warp per row).
+constexpr int epilogue_cta_threads(int threads_per_row) {
+  return threads_per_row == 32 ? kEpilogueThreads : threads_per_row;
+}
 // Split partials: up to kEpilogueMaxSplitBound of them are loaded all at once per output
 // (sum_few_splits, compiled for the power of two at or above the call's splits), one round trip to
 // L2; more go in batches of kSplitBatch (row_max.cuh). Batches alone made a chain of round trips:
@@ -246,13 +258,15 @@ struct EpilogueParams {
 // kSplitBound: the splits' bound for sum_few_splits (1, 2, 4, ..., kEpilogueMaxSplitBound), or 0:
 // batches of kSplitBatch (no split, or more than kEpilogueMaxSplitBound).
 template <int kThreadsPerRow, int kSplitBound, typename out_t>
-__global__ void __launch_bounds__(kEpilogueThreads)
+__global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
     argmax_epilogue_kernel(const EpilogueParams p, out_t* __restrict__ out,
                            int64_t* __restrict__ argmax, out_t* __restrict__ preactivation) {
   wait_for_previous_grid();
-  static_assert(kThreadsPerRow == 32 || kThreadsPerRow == kEpilogueThreads, "warp or CTA per row");
-  constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
-  constexpr int kWarps = kEpilogueThreads / 32;
+  constexpr int kCtaThreads = epilogue_cta_threads(kThreadsPerRow);
+  static_assert(kThreadsPerRow == 32 || kThreadsPerRow == kCtaThreads, "warp or CTA per row");
+  static_assert(kCtaThreads <= 32 * 32, "one warp merges the warps' maxima");
+  constexpr int kRowsPerCta = kCtaThreads / kThreadsPerRow;
+  constexpr int kWarps = kCtaThreads / 32;
 
   const int tid = threadIdx.x;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + tid / kThreadsPerRow;
@@ -282,7 +296,7 @@ __global__ void __launch_bounds__(kEpilogueThreads)
   }
   best = warp_argmax(best);
 
-  if constexpr (kThreadsPerRow == kEpilogueThreads) {
+  if constexpr (kThreadsPerRow == kCtaThreads) {
     __shared__ float s_value[kWarps];
     __shared__ int64_t s_index[kWarps];
     __shared__ float s_z[kWarps];
@@ -306,14 +320,16 @@ __global__ void __launch_bounds__(kEpilogueThreads)
   }
 }
 
-// Calls f(kernel) for each CTA-per-row epilogue instance: every split bound and output type.
-template <int kSplitBound = 0, typename F>
+// Calls f(kernel) for each CTA-per-row epilogue instance: every split bound (0, 1, 2, 4, ...,
+// kMaxSplitBound) and output type.
+template <int kThreadsPerRow, int kMaxSplitBound, int kSplitBound = 0, typename F>
 void for_each_row_epilogue(F&& f) {
-  f(argmax_epilogue_kernel<kEpilogueThreads, kSplitBound, float>);
-  f(argmax_epilogue_kernel<kEpilogueThreads, kSplitBound, at::Half>);
-  f(argmax_epilogue_kernel<kEpilogueThreads, kSplitBound, at::BFloat16>);
-  if constexpr (kSplitBound < kEpilogueMaxSplitBound) {
-    for_each_row_epilogue<kSplitBound == 0 ? 1 : 2 * kSplitBound>(f);
+  f(argmax_epilogue_kernel<kThreadsPerRow, kSplitBound, float>);
+  f(argmax_epilogue_kernel<kThreadsPerRow, kSplitBound, at::Half>);
+  f(argmax_epilogue_kernel<kThreadsPerRow, kSplitBound, at::BFloat16>);
+  if constexpr (kSplitBound < kMaxSplitBound) {
+    for_each_row_epilogue<kThreadsPerRow, kMaxSplitBound, kSplitBound == 0 ? 1 : 2 * kSplitBound>(
+        f);
   }
 }
 
@@ -449,7 +465,10 @@ const DeviceInfo& device_info(int device) {
         cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
     const int spread_smem_max = smem_per_sm / 2 + 1;
     if (spread_smem_max <= max_smem_optin) {
-      for_each_row_epilogue([&](auto kernel) { set_max_dynamic_smem(kernel, spread_smem_max); });
+      auto allow_spread = [&](auto kernel) { set_max_dynamic_smem(kernel, spread_smem_max); };
+      for_each_row_epilogue<kEpilogueThreads, kEpilogueMaxSplitBound>(allow_spread);
+      for_each_row_epilogue<kEpilogueWideRowThreads, kEpilogueWideRowMaxSplitBound, 1>(
+          allow_spread);
       for (int c = 1; c <= kEpilogueMaxSpreadCtasPerSm; ++c) {
         info->epilogue_spread_smem[c] = smem_per_sm / (c + 1) + 1;
       }
@@ -1105,15 +1124,15 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
                      cudaStream_t stream) {
   auto launch = [&](auto threads_per_row, auto split_bound) {
     constexpr int kThreadsPerRow = decltype(threads_per_row)::value;
-    constexpr int kRowsPerCta = kEpilogueThreads / kThreadsPerRow;
+    constexpr int kCtaThreads = epilogue_cta_threads(kThreadsPerRow);
+    constexpr int kRowsPerCta = kCtaThreads / kThreadsPerRow;
     const int64_t blocks = ceil_div(p.batch, int64_t{kRowsPerCta});
     TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu.forward: batch too large (", p.batch, ")");
     cudaLaunchAttribute attribute{};
     cudaLaunchConfig_t config =
-        dependent_launch_config(blocks, kEpilogueThreads, stream, attribute, dependent_launch);
+        dependent_launch_config(blocks, kCtaThreads, stream, attribute, dependent_launch);
     const int64_t ctas_per_sm = ceil_div(blocks, int64_t{info.sms});
-    if (dependent_launch && kThreadsPerRow == kEpilogueThreads &&
-        ctas_per_sm <= kEpilogueMaxSpreadCtasPerSm) {
+    if (dependent_launch && kRowsPerCta == 1 && ctas_per_sm <= kEpilogueMaxSpreadCtasPerSm) {
       config.dynamicSmemBytes = info.epilogue_spread_smem[ctas_per_sm];
     }
     C10_CUDA_CHECK(cudaLaunchKernelEx(
@@ -1131,6 +1150,11 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
   };
   if (p.batch >= kEpilogueWarpPerRowMinBatch) {
     with_split_bound(std::integral_constant<int, 32>{});
+  } else if (p.n >= kEpilogueWideRowMinColumns && p.splits >= 1 &&
+             p.splits <= kEpilogueWideRowMaxSplitBound) {
+    dispatch_split_bound<kEpilogueWideRowMaxSplitBound>(p.splits, [&](auto split_bound) {
+      launch(std::integral_constant<int, kEpilogueWideRowThreads>{}, split_bound);
+    });
   } else {
     with_split_bound(std::integral_constant<int, kEpilogueThreads>{});
   }
