@@ -191,12 +191,18 @@ constexpr int64_t kTcMaxSplitWaves = 4;
 // (8192 rows = 8192 warps = 64 per SM on 132 SMs).
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
-// Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, 24 rows
-// of N = 4096 (1 split) took 5.7 us of epilogue on 24 SMs, each thread's 16 GELUs a chain of
-// dependent steps that 8 warps per SM cannot hide. 1024 threads allow at most 64 registers, which
-// the loads of two outputs in flight fit up to kEpilogueWideRowMaxSplitBound splits.
+// Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
+// thread's GELUs over N / 256 columns make a chain of dependent steps that 8 warps per SM cannot
+// hide, and a small batch leaves most SMs idle. 1024 threads allow at most 64 registers, which
+// the loads of two outputs in flight fit up to kEpilogueWideRowMaxSplitBound splits (47 registers
+// at 4, ptxas -v). Epilogue own times, H200, 256 -> 1024 threads (profile_forward.py, 2026-11-30
+// 18:47-18:49 UTC, two rounds; medians in parentheses), K x N = 1024 x 4096 at B = 16 / 24 / 128
+// / 256: 5.7 / 5.8 / 10.5 / 8.9 -> 3.4 / 3.5 / 4.4 / 6.2 us (20.4 / 20.0 / 30.7 / 37.6 -> 18.4 /
+// 17.8 / 24.5 / 34.9); 4096 x 2048 at B = 16 / 24: 4.8 / 5.0 -> 2.9 / 2.9 (27.8 / 26.9 -> 26.1 /
+// 24.3); 4096 x 1024 at B = 16 / 24: 3.5 / 3.7 -> 2.5 / 2.5 (18.3 / 17.8 -> 17.3 / 17.0); where
+// splits > 4 (B = 128 / 256 at N = 1024 and 2048) and at N = 512 nothing changes.
 constexpr int kEpilogueWideRowThreads = 1024;
-constexpr int64_t kEpilogueWideRowMinColumns = 2048;
+constexpr int64_t kEpilogueWideRowMinColumns = 1024;
 constexpr int kEpilogueWideRowMaxSplitBound = 4;
 
 // The CTA size of the epilogue with kThreadsPerRow threads per row (32: a warp per row).
