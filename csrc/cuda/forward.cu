@@ -197,10 +197,11 @@ constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // the loads of two outputs in flight fit up to kEpilogueWideRowMaxSplitBound splits (47 registers
 // at 4, ptxas -v). Epilogue own times, H200, 256 -> 1024 threads (profile_forward.py, 2026-11-30
 // 18:47-18:49 UTC, two rounds; medians in parentheses), K x N = 1024 x 4096 at B = 16 / 24 / 128
-// / 256: 5.7 / 5.8 / 10.5 / 8.9 -> 3.4 / 3.5 / 4.4 / 6.2 us (20.4 / 20.0 / 30.7 / 37.6 -> 18.4 /
-// 17.8 / 24.5 / 34.9); 4096 x 2048 at B = 16 / 24: 4.8 / 5.0 -> 2.9 / 2.9 (27.8 / 26.9 -> 26.1 /
-// 24.3); 4096 x 1024 at B = 16 / 24: 3.5 / 3.7 -> 2.5 / 2.5 (18.3 / 17.8 -> 17.3 / 17.0); where
-// splits > 4 (B = 128 / 256 at N = 1024 and 2048) and at N = 512 nothing changes.
+// / 256: 5.7 / 5.8 / 10.5 / 8.9 -> 3.4 / 3.5 / 4.4 / 6.2 us (20.4-23.0 / 19.7-20.2 / 30.7 /
+// 37.5-37.8 -> 18.2-18.5 / 17.8-18.0 / 24.5-24.8 / 34.8-34.9); 4096 x 2048 at B = 16 / 24: 4.8 /
+// 5.0 -> 2.9 / 2.9 (27.6-28.0 / 26.1-27.6 -> 25.9-26.2 / 24.2-24.4); 4096 x 1024 at B = 16 / 24:
+// 3.5 / 3.7 -> 2.5 / 2.5 (18.3-18.4 / 17.5-18.0 -> 17.3 / 16.8-17.1); where splits > 4 (B = 128 /
+// 256 at N = 1024 and 2048) and at N = 512 nothing changes.
 constexpr int kEpilogueWideRowThreads = 1024;
 constexpr int64_t kEpilogueWideRowMinColumns = 1024;
 constexpr int kEpilogueWideRowMaxSplitBound = 4;
@@ -223,10 +224,11 @@ constexpr int kEpilogueMaxSplitBound = 64;
 // shared memory (unused) that lets no more than ceil(CTAs / SMs) share an SM. Epilogue own times
 // and medians, H200, main -> spread (profile_forward.py, 2026-11-30 18:37-18:41 UTC, three
 // rounds), K x N = 1024 x 4096 at B = 24 / 32 / 128 / 256: 10.1 / 12.7 / 14.8 / 16.0 -> 5.7 /
-// 5.7 / 10.5 / 8.9 us, medians 24.5 / 27.2 / 34.9 / 44.2 -> 19.9 / 20.1 / 30.6 / 37.4; the
-// default shape (8192 x 512) at B = 16 / 24 / 32 / 128: 2.6 / 3.3 / 3.3 / 4.1 -> 2.3 / 2.3 / 2.3 /
-// 3.5, medians 17.2 / 17.7 / 18.0 / 23.9 -> 17.1 / 16.6 / 16.9 / 23.5; 4096 x 1024 at B = 24:
-// 5.9 -> 3.6, median 20.0 -> 17.9; B = 256 unchanged or faster.
+// 5.7 / 10.5 / 8.9 us, medians 24.4-24.5 / 26.9-27.3 / 34.9 / 44.2-44.3 -> 19.8-20.0 / 20.1 /
+// 30.5-30.7 / 37.3-37.5; the default shape (8192 x 512) at B = 16 / 24 / 32 / 128: 2.6 / 3.3 /
+// 3.3 / 4.1 -> 2.3 / 2.3 / 2.3 / 3.5, medians 17.1-17.3 / 17.6-17.7 / 17.9-18.1 / 23.8-24.0 ->
+// 16.9-17.2 / 16.5-16.7 / 16.9 (19.5 once) / 22.2-23.5; 4096 x 1024 at B = 24: 5.9 -> 3.6, medians
+// 19.9-20.1 -> 17.8-17.9 (30.3 once); B = 256 unchanged or faster.
 constexpr int kEpilogueMaxSpreadCtasPerSm = 4;
 
 // The split-K workspace (splits x rows x N floats) stays within this: larger batches go through
