@@ -9,7 +9,9 @@
 //      (forward_gemm.cuh);
 //   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
-//      (value, index, z) maximum.
+//      (value, index, z) maximum; a CTA per row (256 threads, 1024 for wide rows with few splits)
+//      while B is small, a warp per row from 8192 rows, and on sm_90+ the GEMM's programmatic
+//      dependent, its CTAs spread over the SMs (kEpilogueMaxSpreadCtasPerSm).
 // On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight) for
 // weights large enough (kCertifiedMinColumns and the constants after it; use_certified), the
 // certified path replaces both: a scaled fp16 copy of the weight rows with their norms
