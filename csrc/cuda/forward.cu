@@ -22,7 +22,8 @@
 // the same results as the 3xTF32 path's to float32 rounding, with the same tie and NaN rules, and
 // the same bits with or without a prepared weight.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
-// through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph capturable.
+// through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph
+// capturable.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
