@@ -68,6 +68,12 @@ def _pooled64_values(x, pooled_weight, pooled_bias, scale):
     return z, F.gelu(z) * scale
 
 
+def _pooled_relative_error(out, x, pooled_weight, pooled_bias, scale):
+    """||out - ref64|| / ||ref64||, ref64 the float64 row max on the pooled weight."""
+    _, v64 = _pooled64_values(x, pooled_weight, pooled_bias, scale)
+    return _relative_error(out, v64.max(dim=1).values)
+
+
 def _kernels_run(fn):
     """Names of the CUDA kernels fn launches (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -158,8 +164,7 @@ def test_odd_shapes_forward_matches_float64(batch, in_features, pooled, make_inp
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    _, v64 = _pooled64_values(x, weight, bias, 2.0)
-    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+    assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
 
 
 ODD_BACKWARD = [(b, k, n) for b in (1, 1000) for k in (1, 257, 4099) for n in (1, 513)]
@@ -211,8 +216,7 @@ def test_batches_past_the_workspace_bound_run_in_slices(
     # The workspace plus the three outputs (16 bytes a row) and the allocator's rounding.
     assert extra <= WORKSPACE_BOUND_BYTES + 16 * batch + (1 << 20), extra
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    _, v64 = _pooled64_values(x, weight, bias, 2.0)
-    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+    assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
 
 
 @pytest.mark.profiler
@@ -321,8 +325,7 @@ def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs,
     x, weight, bias = make_inputs(8, in_features, 3, torch.float32, DEVICE)
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    _, v64 = _pooled64_values(x, weight, bias, 2.0)
-    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+    assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
 
 
 # The epilogue's wide-row CTAs (forward.cu: 1024 threads per row for N >= 1024 at 1-4 splits), at
@@ -354,8 +357,7 @@ def test_wide_row_epilogue_matches_float64(batch, in_features, pooled, threads, 
     assert cta_threads == threads and bound in bounds, launched
     out, argmax, preactivation = run()
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    _, v64 = _pooled64_values(x, weight, bias, 2.0)
-    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+    assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
 
 
 # The tensor-core GEMV (17-32 rows, weights over 2^21 floats, where its grid fills the GPU; each
@@ -391,8 +393,7 @@ def test_tensor_core_gemv_matches_float64(batch, in_features, pooled, make_input
     del poison
     out, argmax, preactivation = run()
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    _, v64 = _pooled64_values(x, weight, bias, 2.0)
-    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+    assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
 
 
 # Shapes that reach the tensor-core GEMMs (B > 32; from 17 rows the wgmma GEMM on weights over
@@ -433,8 +434,7 @@ def test_tensor_core_gemms_match_float64(
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    _, v64 = _pooled64_values(x, weight, bias, 2.0)
-    assert _relative_error(out, v64.max(dim=1).values) <= 1e-6
+    assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
 
 
 # 3xTF32 keeps up to ~2^-20 relative error per product (16-48x float32's), and an output of a few
@@ -460,8 +460,7 @@ def test_tensor_core_gemms_keep_the_contract_on_few_output_columns(
                 names = _gemm_kernels_run(run)
                 assert names and all("tf32x3" in n for n in names), names
             out, _, _ = run()
-            _, v64 = _pooled64_values(x, weight, bias, 2.0)
-            worst = max(worst, _relative_error(out, v64.max(dim=1).values))
+            worst = max(worst, _pooled_relative_error(out, x, weight, bias, 2.0))
     assert worst <= 1e-6, worst
 
 
