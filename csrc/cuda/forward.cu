@@ -45,6 +45,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -762,15 +763,19 @@ int64_t rows_per_slice(int64_t batch, int64_t n) {
   return rows >= fg::kTcBlockM ? rows / fg::kTcBlockM * fg::kTcBlockM : rows;
 }
 
-// Whether the tensor-core GEMV runs a slice of `rows` rows (see kSimtMaxBatchWgmma).
-bool tc_gemv_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padded,
-                    int64_t split_cap) {
+// The tensor-core GEMV's plan for a slice of `rows` rows where that GEMV runs it (see
+// kSimtMaxBatchWgmma), else nothing.
+std::optional<SplitK> tc_gemv_plan(const DeviceInfo& info, int64_t rows, int64_t n,
+                                   int64_t k_padded, int64_t split_cap) {
   if (rows <= kSimtMaxBatchWgmma || rows > kSimtMaxBatch || info.tc_gemv_ctas_per_sm == 0 ||
       n * k_padded <= kTcSmallBatchMinWeightFloats) {
-    return false;
+    return std::nullopt;
   }
   const SplitK plan = plan_tc_gemv(info, rows, n, k_padded, split_cap);
-  return keeps_sms_busy(info, ceil_div(n, int64_t{fg::kTcGemvRowsPerCta}) * plan.splits);
+  if (!keeps_sms_busy(info, ceil_div(n, int64_t{fg::kTcGemvRowsPerCta}) * plan.splits)) {
+    return std::nullopt;
+  }
+  return plan;
 }
 
 // Whether the SIMT GEMV, rather than a tensor-core GEMM, runs a slice of `rows` rows that the
@@ -799,10 +804,11 @@ GemmPlan plan_gemm(const DeviceInfo& info, bool rowwise, int64_t rows, int64_t n
   if (rowwise) {
     plan.kind = GemmPlan::Kind::kRowwise;
     plan.splits = 1;
-  } else if (tc_gemv_serves(info, rows, n, k_padded, split_cap)) {
+  } else if (const std::optional<SplitK> tc_gemv =
+                 tc_gemv_plan(info, rows, n, k_padded, split_cap)) {
     plan.kind = GemmPlan::Kind::kTcGemv;
-    plan.tc_gemv = plan_tc_gemv(info, rows, n, k_padded, split_cap);
-    plan.splits = plan.tc_gemv.splits;
+    plan.tc_gemv = *tc_gemv;
+    plan.splits = tc_gemv->splits;
   } else if (simt_serves(info, rows, n, k_padded, split_cap)) {
     plan.kind = GemmPlan::Kind::kSimt;
     plan.simt = plan_simt(info, rows, n, k_padded, split_cap);
