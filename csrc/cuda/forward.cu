@@ -11,7 +11,7 @@
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum; a CTA per row (256 threads, 1024 for wide rows with few splits)
 //      while B is small, a warp per row from 8192 rows, and on sm_90+ the GEMM's programmatic
-//      dependent, its CTAs spread over the SMs (kEpilogueMaxSpreadCtasPerSm).
+//      dependent, its CTAs spread over the SMs (kMaxSpreadCtasPerSm).
 // On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight) for
 // weights large enough (kCertifiedMinColumns and the constants after it; use_certified), the
 // certified path replaces both: a scaled fp16 copy of the weight rows with their norms
@@ -222,9 +222,11 @@ constexpr int epilogue_cta_threads(int threads_per_row) {
 // (ptxas -v: 128 at the bound of 32 with two outputs in flight); the batches that take many splits
 // are the small ones, whose epilogue runs one CTA per row on an otherwise idle GPU.
 constexpr int kEpilogueMaxSplitBound = 64;
-// The epilogue is a programmatic dependent of the GEMM (sm_90+): its CTAs are placed while the
-// GEMM's still run, wherever there is room, and a small grid piled onto the few SMs the GEMM left
-// free (a 128-CTA GEMM leaves 4 of 132). Up to this many CTAs per SM, the launch asks for the
+// The epilogue is a programmatic dependent of the GEMM (sm_90+), as the certified selection is of
+// pass 1: a dependent's CTAs are placed while the kernel before it still runs, wherever there is
+// room, and a small grid piled onto the few SMs the GEMM left free (a 128-CTA GEMM leaves 4 of
+// 132). The rescoring, the selection's dependent, is not spread: it lost what the selection gained
+// (NOTES, 19:03-19:05 UTC). Up to this many CTAs per SM, the launch asks for the
 // shared memory (unused) that lets no more than ceil(CTAs / SMs) share an SM. Epilogue own times
 // and medians, H200, main -> spread (profile_forward.py, 2026-11-30 18:37-18:41 UTC, three
 // rounds), K x N = 1024 x 4096 at B = 24 / 32 / 128 / 256: 10.1 / 12.7 / 14.8 / 16.0 -> 5.7 /
@@ -232,8 +234,14 @@ constexpr int kEpilogueMaxSplitBound = 64;
 // 30.5-30.7 / 37.3-37.5; the default shape (8192 x 512) at B = 16 / 24 / 32 / 128: 2.6 / 3.3 /
 // 3.3 / 4.1 -> 2.3 / 2.3 / 2.3 / 3.5, medians 17.1-17.3 / 17.6-17.7 / 17.9-18.1 / 23.8-24.0 ->
 // 16.9-17.2 / 16.5-16.7 / 16.9 (19.5 once) / 22.2-23.5; 4096 x 1024 at B = 24: 5.9 -> 3.6, medians
-// 19.9-20.1 -> 17.8-17.9 (30.3 once); B = 256 unchanged or faster.
-constexpr int kEpilogueMaxSpreadCtasPerSm = 4;
+// 19.9-20.1 -> 17.8-17.9 (30.3 once); B = 256 unchanged or faster. The selection, main -> spread
+// (prepared weight, 2026-11-30 19:54-19:56 UTC, two rounds), own times at B = 300 / 400 / 513:
+// 8192 x 512 4.8 / 5.7 / 6.7-6.8 -> 4.5 / 4.9 / 5.1 us (medians 38.0-38.8 / 40.5-40.6 / 41.3-41.6
+// -> 38.9 / 39.6 / 39.3 in the quiet round); 4096 x 1024 9.7-9.9 / 9.9-10.0 / 9.9 -> 6.1-6.2 /
+// 6.8-6.9 / 6.8 (medians 32.0 / 35.6 / 36.6-37.2 -> 28.6-28.7 / 32.3-32.5 / 34.1-36.1); 4096 x
+// 2048 15.6-16.3 -> 9.0-9.2 (medians 47.4-47.6 / 46.8-47.2 / 53.5-54.3 -> 39.1-39.5 / 40.1-42.2 /
+// 47.2-48.1); the rescoring unchanged.
+constexpr int kMaxSpreadCtasPerSm = 4;
 
 // The split-K workspace (splits x rows x N floats) stays within this: larger batches go through
 // GEMM + epilogue in slices of rows, and the planners cap the splits of a slice. Unbounded, it
@@ -403,10 +411,22 @@ struct DeviceInfo {
   // 0 unless the wgmma kernel can run here: a compute capability 9.0 device, a build holding
   // sm_90a code (FPG_WITH_SM90A) and that code being what the driver picked for this device.
   int wgmma_ctas_per_sm = 0;
-  // [c]: the dynamic shared memory that holds the CTA-per-row epilogue to at most c CTAs per SM
-  // (kEpilogueMaxSpreadCtasPerSm); 0 where the device cannot give it.
-  int epilogue_spread_smem[kEpilogueMaxSpreadCtasPerSm + 1] = {};
+  // Shared memory per SM, and the dynamic shared memory the spread dependents (the epilogue, the
+  // certified selection) may ask for: half of it plus a byte, 0 where the device cannot give that
+  // to one CTA.
+  int smem_per_sm = 0;
+  int spread_smem_max = 0;
 };
+
+// The dynamic shared memory for a programmatic dependent of `ctas` CTAs that need `needed` bytes
+// each: enough that at most ceil(ctas / SMs) of them share an SM (a CTA taking more than 1 / (c +
+// 1) of an SM's shared memory leaves room for at most c), up to kMaxSpreadCtasPerSm per SM;
+// `needed` for larger grids, which fill every SM anyway.
+int spread_smem_bytes(const DeviceInfo& info, int64_t ctas, int needed) {
+  const int64_t ctas_per_sm = ceil_div(ctas, int64_t{info.sms});
+  if (info.spread_smem_max == 0 || ctas_per_sm > kMaxSpreadCtasPerSm) return needed;
+  return std::max(needed, info.smem_per_sm / static_cast<int>(ctas_per_sm + 1) + 1);
+}
 
 #ifndef FPG_WITH_SM90A
 #define FPG_WITH_SM90A 0
@@ -471,19 +491,15 @@ const DeviceInfo& device_info(int device) {
       info->tc_ctas_per_sm =
           resident_ctas_per_sm(fg::tf32x3_splitk_kernel, fg::kTcThreads, fg::kTcSmemBytes);
     }
-    // A CTA taking more than 1 / (c + 1) of an SM's shared memory leaves room for at most c.
-    int smem_per_sm = 0;
-    C10_CUDA_CHECK(
-        cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    const int spread_smem_max = smem_per_sm / 2 + 1;
-    if (spread_smem_max <= max_smem_optin) {
-      auto allow_spread = [&](auto kernel) { set_max_dynamic_smem(kernel, spread_smem_max); };
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&info->smem_per_sm,
+                                          cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    if (info->smem_per_sm / 2 + 1 <= max_smem_optin) {
+      info->spread_smem_max = info->smem_per_sm / 2 + 1;
+      auto allow_spread = [&](auto kernel) { set_max_dynamic_smem(kernel, info->spread_smem_max); };
       for_each_row_epilogue<kEpilogueThreads, kEpilogueMaxSplitBound>(allow_spread);
       for_each_row_epilogue<kEpilogueWideRowThreads, kEpilogueWideRowMaxSplitBound, 1>(
           allow_spread);
-      for (int c = 1; c <= kEpilogueMaxSpreadCtasPerSm; ++c) {
-        info->epilogue_spread_smem[c] = smem_per_sm / (c + 1) + 1;
-      }
+      certified::for_each_select_kernel(allow_spread);
     }
     int major = 0, minor = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -1097,7 +1113,7 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   cudaLaunchAttribute attribute{};
   cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
-  config.dynamicSmemBytes = certified::select_smem_bytes(n);
+  config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
   const int columns_per_thread = certified::select_columns_per_thread(batch, n, info.sms);
   dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
     constexpr int kSplitBound = decltype(split_bound)::value;
@@ -1148,9 +1164,8 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
     cudaLaunchAttribute attribute{};
     cudaLaunchConfig_t config =
         dependent_launch_config(blocks, kCtaThreads, stream, attribute, dependent_launch);
-    const int64_t ctas_per_sm = ceil_div(blocks, int64_t{info.sms});
-    if (dependent_launch && kRowsPerCta == 1 && ctas_per_sm <= kEpilogueMaxSpreadCtasPerSm) {
-      config.dynamicSmemBytes = info.epilogue_spread_smem[ctas_per_sm];
+    if (dependent_launch && kRowsPerCta == 1) {
+      config.dynamicSmemBytes = spread_smem_bytes(info, blocks, 0);
     }
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &config, argmax_epilogue_kernel<kThreadsPerRow, decltype(split_bound)::value, out_t>, p,

@@ -648,6 +648,15 @@ __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsP
   }
 }
 
+// Calls f(kernel) for each selection instance: split bounds 1, 2, 4, ..., kMaxSplits, one or four
+// columns per thread.
+template <int kSplitBound = 1, typename F>
+void for_each_select_kernel(F&& f) {
+  f(select_candidates_kernel<kSplitBound, 1>);
+  f(select_candidates_kernel<kSplitBound, 4>);
+  if constexpr (kSplitBound < kMaxSplits) for_each_select_kernel<2 * kSplitBound>(f);
+}
+
 struct RescoreParams {
   const float* x;         // [batch, k_padded] rows of stride ldx (zero-padded past K)
   int64_t ldx;
