@@ -328,13 +328,14 @@ def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs,
     assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
 
 
-# The epilogue's wide-row CTAs (forward.cu: 1024 threads per row for N >= 1024 at 1-4 splits), at
+# The epilogue's wide-row CTAs (forward.cu: 1024 threads per row for N >= 1024 at 1-8 splits), at
 # each of their split bounds and with N tails, and the 256-thread CTA just below: (batch,
 # in_features, pooled, CTA threads, the split bounds its plan may take).
 WIDE_ROW_SHAPES = [
     (2, 300, 1025, 1024, {1}),        # row-parallel GEMV: one split
     (9, 1000, 2100, 1024, {2, 4}),    # SIMT GEMV: 2 or 4 splits (its CTAs per SM)
     (128, 1024, 4100, 1024, {4}),     # 3xTF32 GEMM: 33 tiles, 4 splits of 8 K tiles
+    (128, 1024, 2050, 1024, {8}),     # 3xTF32 GEMM: 17 tiles, 7 splits of 5 K tiles
     (2, 300, 1023, 256, {1}),
 ]
 

@@ -199,16 +199,18 @@ constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // thread's GELUs over N / 256 columns make a chain of dependent steps that 8 warps per SM cannot
 // hide, and a small batch leaves most SMs idle. 1024 threads allow at most 64 registers, which
 // the loads of two outputs in flight fit up to kEpilogueWideRowMaxSplitBound splits (47 registers
-// at 4, ptxas -v). Epilogue own times, H200, 256 -> 1024 threads (profile_forward.py, 2026-11-30
-// 18:47-18:49 UTC, two rounds; medians in parentheses), K x N = 1024 x 4096 at B = 16 / 24 / 128
-// / 256: 5.7 / 5.8 / 10.5 / 8.9 -> 3.4 / 3.5 / 4.4 / 6.2 us (20.4-23.0 / 19.7-20.2 / 30.7 /
-// 37.5-37.8 -> 18.2-18.5 / 17.8-18.0 / 24.5-24.8 / 34.8-34.9); 4096 x 2048 at B = 16 / 24: 4.8 /
-// 5.0 -> 2.9 / 2.9 (27.6-28.0 / 26.1-27.6 -> 25.9-26.2 / 24.2-24.4); 4096 x 1024 at B = 16 / 24:
-// 3.5 / 3.7 -> 2.5 / 2.5 (18.3-18.4 / 17.5-18.0 -> 17.3 / 16.8-17.1); where splits > 4 (B = 128 /
-// 256 at N = 1024 and 2048) and at N = 512 nothing changes.
+// at 4, 64 at 8 with no spills, ptxas -v). Epilogue own times, H200, 256 -> 1024 threads at up
+// to 4 splits (profile_forward.py, 2026-11-30 18:47-18:49 UTC, two rounds; medians in
+// parentheses), K x N = 1024 x 4096 at B = 16 / 24 / 128 / 256: 5.7 / 5.8 / 10.5 / 8.9 -> 3.4 /
+// 3.5 / 4.4 / 6.2 us (20.4-23.0 / 19.7-20.2 / 30.7 / 37.5-37.8 -> 18.2-18.5 / 17.8-18.0 /
+// 24.5-24.8 / 34.8-34.9); 4096 x 2048 at B = 16 / 24: 4.8 / 5.0 -> 2.9 / 2.9 (27.6-28.0 /
+// 26.1-27.6 -> 25.9-26.2 / 24.2-24.4); 4096 x 1024 at B = 16 / 24: 3.5 / 3.7 -> 2.5 / 2.5
+// (18.3-18.4 / 17.5-18.0 -> 17.3 / 16.8-17.1); at N = 512 nothing changes. The bound raised from
+// 4 to 8 (19:54-19:56 UTC, two rounds): 4096 x 2048 at B = 128 (8 splits) 5.0-5.1 -> 4.2 us
+// (medians 33.9-35.5 -> 32.6 in the one quiet round); 4096 x 1024 at B = 128 (16 splits) stays.
 constexpr int kEpilogueWideRowThreads = 1024;
 constexpr int64_t kEpilogueWideRowMinColumns = 1024;
-constexpr int kEpilogueWideRowMaxSplitBound = 4;
+constexpr int kEpilogueWideRowMaxSplitBound = 8;
 
 // The CTA size of the epilogue with kThreadsPerRow threads per row (32: a warp per row).
 constexpr int epilogue_cta_threads(int threads_per_row) {
