@@ -796,15 +796,21 @@ std::optional<SplitK> tc_gemv_plan(const DeviceInfo& info, int64_t rows, int64_t
   return plan;
 }
 
-// Whether the SIMT GEMV, rather than a tensor-core GEMM, runs a slice of `rows` rows that the
-// tensor-core GEMV does not (see kSimtMaxBatch and kSimtMaxBatchWgmma).
-bool simt_serves(const DeviceInfo& info, int64_t rows, int64_t n, int64_t k_padded,
-                 int64_t split_cap) {
-  if (rows <= kSimtMaxBatchWgmma || info.tc_ctas_per_sm == 0) return true;
-  if (rows > kSimtMaxBatch) return false;
-  if (!wgmma_serves(info) || n * k_padded <= kTcSmallBatchMinWeightFloats) return true;
-  const TcPlan tc = plan_tc(info, rows, n, k_padded, split_cap);
-  return !keeps_sms_busy(info, tc_tiles(rows, n) * tc.splits);
+// The tensor-core GEMM's plan for a slice of `rows` rows that the tensor-core GEMV does not run,
+// where that GEMM rather than the SIMT GEMV serves it (see kSimtMaxBatch and kSimtMaxBatchWgmma),
+// else nothing.
+std::optional<TcPlan> tc_gemm_plan(const DeviceInfo& info, int64_t rows, int64_t n,
+                                   int64_t k_padded, int64_t split_cap) {
+  // Past this check the device runs the tensor-core GEMM (tc_ctas_per_sm > 0), so plan_tc's slots
+  // are not 0.
+  if (rows <= kSimtMaxBatchWgmma || info.tc_ctas_per_sm == 0) return std::nullopt;
+  const TcPlan plan = plan_tc(info, rows, n, k_padded, split_cap);
+  if (rows > kSimtMaxBatch) return plan;
+  if (!wgmma_serves(info) || n * k_padded <= kTcSmallBatchMinWeightFloats ||
+      !keeps_sms_busy(info, tc_tiles(rows, n) * plan.splits)) {
+    return std::nullopt;
+  }
+  return plan;
 }
 
 // Which GEMM runs a slice of `rows` rows, and its split-K plan (at most split_cap splits).
@@ -827,14 +833,14 @@ GemmPlan plan_gemm(const DeviceInfo& info, bool rowwise, int64_t rows, int64_t n
     plan.kind = GemmPlan::Kind::kTcGemv;
     plan.tc_gemv = *tc_gemv;
     plan.splits = tc_gemv->splits;
-  } else if (simt_serves(info, rows, n, k_padded, split_cap)) {
+  } else if (const std::optional<TcPlan> tc = tc_gemm_plan(info, rows, n, k_padded, split_cap)) {
+    plan.kind = GemmPlan::Kind::kTc;
+    plan.tc = *tc;
+    plan.splits = tc->splits;
+  } else {
     plan.kind = GemmPlan::Kind::kSimt;
     plan.simt = plan_simt(info, rows, n, k_padded, split_cap);
     plan.splits = plan.simt.split_k.splits;
-  } else {
-    plan.kind = GemmPlan::Kind::kTc;
-    plan.tc = plan_tc(info, rows, n, k_padded, split_cap);
-    plan.splits = plan.tc.splits;
   }
   return plan;
 }
