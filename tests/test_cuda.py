@@ -255,6 +255,29 @@ def test_misaligned_pointers_give_correct_results(layout, make_inputs, check_for
         torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
 
 
+# Rows that overlap in memory (an expanded x: stride 0; a Hankel view: stride 4 < K) on the GEMVs
+# (B = 1, 12), the 3xTF32 GEMM (B = 70) and the certified path (B = 600: its pass 1 reads x
+# through a TMA tensor map with the row stride as given, 0 or 16 bytes here), with the same bits
+# as a contiguous copy.
+@pytest.mark.parametrize("layout", ["expanded", "hankel"])
+@pytest.mark.parametrize("batch, in_features, pooled",
+                         [(1, 512, 40), (12, 512, 40), (70, 1024, 200), (600, 4096, 512)],
+                         ids=["B1", "B12", "B70", "B600"])
+def test_overlapping_rows_of_x_give_correct_results(layout, batch, in_features, pooled,
+                                                    make_inputs, check_forward):
+    _, weight, bias = make_inputs(1, in_features, pooled, torch.float32, DEVICE)
+    torch.manual_seed(batch)
+    if layout == "expanded":
+        x = torch.rand(1, in_features, device=DEVICE).expand(batch, in_features)
+    else:
+        storage = torch.rand(4 * batch + in_features, device=DEVICE)
+        x = storage.as_strided((batch, in_features), (4, 1))
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
+    torch.testing.assert_close(out, ops.forward(x.contiguous(), weight, bias, 2.0), atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # The two tensor-core GEMMs: wgmma on sm_90a builds running on compute capability 9.0, the
 # portable mma.sync kernel elsewhere (and on Hopper under FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
