@@ -18,7 +18,8 @@
 // (prepared_weight.h; skipped when the caller passes prepare_weight's), a single-pass fp16 GEMM
 // that converts x as it goes (forward_gemm_sm90.cuh's certified_pass1_kernel), a selection of the
 // columns that may hold the row's maximum by a proven error bound (with x's norms from pass 1's
-// split sums), and a float32 rescoring of those (forward_certified.cuh): three or four launches,
+// split sums; pass 1's programmatic dependent, spread over the SMs like the epilogue), and a
+// float32 rescoring of those (forward_certified.cuh): three or four launches,
 // the same results as the 3xTF32 path's to float32 rounding, with the same tie and NaN rules, and
 // the same bits with or without a prepared weight.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
