@@ -2,6 +2,7 @@
 
     python benchmarks/floors.py
     python benchmarks/floors.py --batches 1 16 128 --out /tmp/floors.json
+    python benchmarks/floors.py --own-mb 4 16 20 32 --programs-per-sm 1 2 4 8 16
 
 The benchmarks time with triton.testing.do_bench (fused_pool_gelu.timing): a 256 MB buffer is
 zeroed before every run, so each run starts with the L2 full of dirty lines and the op's operands
@@ -10,6 +11,9 @@ in DRAM. Under that timer this script measures, in one process:
   - the cost of reading a buffer once: a Triton kernel that streams a float32 buffer of 1 to 32
     MB through every SM (4 programs per SM, 16 KB loads in flight each) into one max per program,
     and a line fitted through those times (fixed part + bytes / bandwidth);
+  - the same read's own device time (torch.profiler, after the same flush, as profile_forward.py
+    times kernels) against the bytes and the programs per SM: what a kernel of the forward, timed
+    by its own time, can reach when it reads that much;
   - reading the pooled weight at other precisions: cuBLAS `x @ w.T` with float32 and bfloat16
     operands (the bfloat16 GEMM reads half the bytes and is not float32-accurate: it stands for
     any first pass that reads a bfloat16 copy of the weight), next to fused_pool_gelu's forward.
@@ -48,6 +52,21 @@ def read_once(buffer, partial_max):
                                              num_warps=8)
 
 
+def read_own_us(device, mbs, programs_per_sm, calls=30):
+    """{(MB, programs per SM): own device time of one read_once over that many MB, us}, each
+    call after the timer's 256 MB flush (common.kernel_device_times)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    table = {}
+    for mb in mbs:
+        buffer = torch.rand(mb * 2**20 // 4, device=device)
+        for per_sm in programs_per_sm:
+            partial_max = torch.empty(per_sm * sms, device=device)
+            times = common.kernel_device_times(lambda: read_once(buffer, partial_max), calls)
+            table[(mb, per_sm)] = sum(t["own_us"] for t in times.values())
+        del buffer
+    return table
+
+
 def fit_line(points):
     """Least-squares (fixed us, us per MB) through (MB, us) points."""
     n = len(points)
@@ -62,6 +81,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 128])
     p.add_argument("--read-mb", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--own-mb", type=int, nargs="+", default=[4, 16, 20, 32],
+                   help="buffer sizes (MB) of the own-time table")
+    p.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help="the read's programs per SM in the own-time table")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -83,6 +106,7 @@ def main(argv=None):
         reads.append((mb, time_us(lambda: read_once(buffer, partial_max))))
         del buffer
     fixed_us, us_per_mb = fit_line(reads)
+    own = read_own_us(device, args.own_mb, args.programs_per_sm)
     weight_mb = weight.numel() * weight.element_size() / 2**20
 
     rows = []
@@ -106,6 +130,10 @@ def main(argv=None):
           f"TB/s); the pooled weight read once at 4 / 2 / 1 bytes per element ({weight_mb:.0f} / "
           f"{weight_mb / 2:.0f} / {weight_mb / 4:.0f} MB): " +
           " / ".join(f"{fixed_us + us_per_mb * weight_mb / d:.2f}" for d in (1, 2, 4)) + " us")
+    print("one read's own device time (after the same flush), us, by MB and programs per SM:")
+    print(f"{'MB':>5} " + " ".join(f"{per_sm:>7d}" for per_sm in args.programs_per_sm))
+    for mb in args.own_mb:
+        print(f"{mb:5d} " + " ".join(f"{own[(mb, per_sm)]:7.2f}" for per_sm in args.programs_per_sm))
     print(f"{'B':>5} {'ours forward':>13} {'cuBLAS fp32':>12} {'cuBLAS bf16':>12}  (us)")
     for row in rows:
         print(f"{row['B']:5d} {row['ours_forward_us']:13.2f} {row['cublas_fp32_us']:12.2f} "
@@ -117,6 +145,8 @@ def main(argv=None):
                        "one_element_kernel_us": floor_us,
                        "read_float32_us": [{"MB": mb, "us": us} for mb, us in reads],
                        "read_fit": {"fixed_us": fixed_us, "us_per_MB": us_per_mb},
+                       "read_own_us": [{"MB": mb, "programs_per_sm": per_sm, "us": us}
+                                       for (mb, per_sm), us in own.items()],
                        "rows": rows}, f, indent=1)
 
 
