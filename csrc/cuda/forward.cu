@@ -200,15 +200,9 @@ constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // thread's GELUs over N / 256 columns make a chain of dependent steps that 8 warps per SM cannot
 // hide, and a small batch leaves most SMs idle. 1024 threads allow at most 64 registers, which
 // the loads of two outputs in flight fit up to kEpilogueWideRowMaxSplitBound splits (47 registers
-// at 4, 64 at 8 with no spills, ptxas -v). Epilogue own times, H200, 256 -> 1024 threads at up
-// to 4 splits (profile_forward.py, 2026-11-30 18:47-18:49 UTC, two rounds; medians in
-// parentheses), K x N = 1024 x 4096 at B = 16 / 24 / 128 / 256: 5.7 / 5.8 / 10.5 / 8.9 -> 3.4 /
-// 3.5 / 4.4 / 6.2 us (20.4-23.0 / 19.7-20.2 / 30.7 / 37.5-37.8 -> 18.2-18.5 / 17.8-18.0 /
-// 24.5-24.8 / 34.8-34.9); 4096 x 2048 at B = 16 / 24: 4.8 / 5.0 -> 2.9 / 2.9 (27.6-28.0 /
-// 26.1-27.6 -> 25.9-26.2 / 24.2-24.4); 4096 x 1024 at B = 16 / 24: 3.5 / 3.7 -> 2.5 / 2.5
-// (18.3-18.4 / 17.5-18.0 -> 17.3 / 16.8-17.1); at N = 512 nothing changes. The bound raised from
-// 4 to 8 (19:54-19:56 UTC, two rounds): 4096 x 2048 at B = 128 (8 splits) 5.0-5.1 -> 4.2 us
-// (medians 33.9-35.5 -> 32.6 in the one quiet round); 4096 x 1024 at B = 128 (16 splits) stays.
+// at 4, 64 at 8 with no spills, ptxas -v). On the H200 the epilogue went 5.8 -> 3.5 us at
+// K x N = 1024 x 4096, B = 24, and 5.0 -> 4.2 at 4096 x 2048, B = 128 (8 splits); N = 512 is
+// unchanged (benchmarks/NOTES.md, the wide-row rows of 2026-11-30).
 constexpr int kEpilogueWideRowThreads = 1024;
 constexpr int64_t kEpilogueWideRowMinColumns = 1024;
 constexpr int kEpilogueWideRowMaxSplitBound = 8;
@@ -230,20 +224,10 @@ constexpr int kEpilogueMaxSplitBound = 64;
 // room, and a small grid piled onto the few SMs the GEMM left free (a 128-CTA GEMM leaves 4 of
 // 132). The rescoring, the selection's dependent, is not spread: it lost what the selection gained
 // (NOTES, 19:03-19:05 UTC). Up to this many CTAs per SM, the launch asks for the
-// shared memory (unused) that lets no more than ceil(CTAs / SMs) share an SM. Epilogue own times
-// and medians, H200, main -> spread (profile_forward.py, 2026-11-30 18:37-18:41 UTC, three
-// rounds), K x N = 1024 x 4096 at B = 24 / 32 / 128 / 256: 10.1 / 12.7 / 14.8 / 16.0 -> 5.7 /
-// 5.7 / 10.5 / 8.9 us, medians 24.4-24.5 / 26.9-27.3 / 34.9 / 44.2-44.3 -> 19.8-20.0 / 20.1 /
-// 30.5-30.7 / 37.3-37.5; the default shape (8192 x 512) at B = 16 / 24 / 32 / 128: 2.6 / 3.3 /
-// 3.3 / 4.1 -> 2.3 / 2.3 / 2.3 / 3.5, medians 17.1-17.3 / 17.6-17.7 / 17.9-18.1 / 23.8-24.0 ->
-// 16.9-17.2 / 16.5-16.7 / 16.9 (19.5 once) / 22.2-23.5; 4096 x 1024 at B = 24: 5.9 -> 3.6, medians
-// 19.9-20.1 -> 17.8-17.9 (30.3 once); B = 256 unchanged or faster. The selection, main -> spread
-// (prepared weight, 2026-11-30 19:54-19:56 UTC, two rounds), own times at B = 300 / 400 / 513:
-// 8192 x 512 4.8 / 5.7 / 6.7-6.8 -> 4.5 / 4.9 / 5.1 us (medians 38.0-38.8 / 40.5-40.6 / 41.3-41.6
-// -> 38.9 / 39.6 / 39.3 in the quiet round); 4096 x 1024 9.7-9.9 / 9.9-10.0 / 9.9 -> 6.1-6.2 /
-// 6.8-6.9 / 6.8 (medians 32.0 / 35.6 / 36.6-37.2 -> 28.6-28.7 / 32.3-32.5 / 34.1-36.1); 4096 x
-// 2048 15.6-16.3 -> 9.0-9.2 (medians 47.4-47.6 / 46.8-47.2 / 53.5-54.3 -> 39.1-39.5 / 40.1-42.2 /
-// 47.2-48.1); the rescoring unchanged.
+// shared memory (unused) that lets no more than ceil(CTAs / SMs) share an SM. On the H200 the
+// epilogue went 10.1 -> 5.7 us at K x N = 1024 x 4096, B = 24, and 4.1 -> 3.5 at the default
+// shape, B = 128; the selection 9.9 -> 6.8 at 4096 x 1024, B = 400 (benchmarks/NOTES.md, the
+// spread rows of 2026-11-30, with every shape and batch measured).
 constexpr int kMaxSpreadCtasPerSm = 4;
 
 // The split-K workspace (splits x rows x N floats) stays within this: larger batches go through
