@@ -52,10 +52,12 @@ def _relative_error(ours, ref):
 
 
 # Default shape, odd sizes (B > 32: the tensor-core range), K = 65536, the widest layer the
-# selection serves (N = 4096, 16 n tiles), 9 m tiles. With the last four, pass 1 takes every split
-# count from 1 to 8 (the planner in forward.cu on the H200's 132 SMs with 64-wide K tiles, in
-# order: 8, 1, 1, 5, 8, 2, 1, 3, 4, 6, 7), so the selection runs at each split bound (1, 2, 4, 8),
-# with and without loads past the last split (sum_few_splits).
+# selection serves (N = 4096, 16 n tiles), 9 m tiles. Batches of at most one row per SM (132 on the
+# H200) take pass 1's 128-wide tiles and the fused selection and rescoring (up to 32 splits), larger
+# ones the 256-wide tiles and the two kernels (up to 8); pass 1's splits on the H200 (forward.cu's
+# planner), in order: 8, 1, 1, 5, 32, 2, 1, 5, 7, 10, 12, 2, 4, 4, 3. So the fused kernel runs at
+# every split bound (1, 2, 4, 8, 16, 32) and the selection kernel at 1, 2, 4 and 8, with and
+# without loads past the last split (load_split_partials).
 SHAPES = [
     (1024, 8192, 512),
     (33, 4, 1),
@@ -68,6 +70,10 @@ SHAPES = [
     (45, 2100, 70),
     (50, 3200, 33),
     (37, 3700, 129),
+    (60, 600, 20),
+    (70, 1100, 50),
+    (200, 2000, 40),
+    (150, 1700, 300),
 ]
 
 
@@ -89,6 +95,23 @@ def test_certified_forward_matches_float64(
         # above 2.5 means the norms are not in use or the copies lost precision).
         assert float(counts.float().mean()) <= 2.5, counts.float().mean()
         assert int((counts == -1).sum()) <= 2
+
+
+@pytest.mark.parametrize("in_features,pooled", [(8192, 512), (3000, 37)], ids=str)
+def test_fused_rows_give_the_bits_of_the_two_kernel_path(
+    in_features, pooled, certified, make_inputs
+):
+    # 200 rows take the 256-wide pass 1 and the two kernels, their first 100 (at most one per SM
+    # on any GPU with 100 SMs or more) the 128-wide pass 1 and the fused kernel: other splits,
+    # other pass-1 sums and other candidates, but each row's rescoring is the same float32
+    # arithmetic, so every output must be the same bits.
+    if torch.cuda.get_device_properties(DEVICE).multi_processor_count < 100:
+        pytest.skip("100 rows are more than one per SM here")
+    x, weight, bias = make_inputs(200, in_features, pooled, torch.float32, DEVICE)
+    two_kernels = _OPS.forward_with_argmax(x, weight, bias, 2.0)
+    fused = _OPS.forward_with_argmax(x[:100], weight, bias, 2.0)
+    for a, b in zip(fused, two_kernels):
+        torch.testing.assert_close(a, b[:100], rtol=0, atol=0, equal_nan=True)
 
 
 def test_certified_forward_is_bitwise_deterministic(certified, make_inputs):

@@ -187,8 +187,11 @@ constexpr int kSimtMaxCtasPerSm = 4;
 // x 2048; the default shape's plans unchanged.)
 constexpr int64_t kTcMaxSplits = 64;
 // The certified pass 1 plans its splits the same way but keeps at least 8 of its 64-wide K tiles
-// per split, as it was measured (K < 4096 at B >= 257 only: shorter splits there are untried).
+// per split, as it was measured (K < 4096 at B >= 257 only: shorter splits there are untried);
+// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 128-wide
+// tiles take 32 splits, 128 CTAs (9.0 us; 2 tiles per split would make 256 CTAs, two waves).
 constexpr int64_t kPass1MinKTilesPerSplit = 8;
+constexpr int64_t kPass1FusedMinKTilesPerSplit = 4;
 constexpr int64_t kTcMaxSplitWaves = 4;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
@@ -237,7 +240,8 @@ constexpr int kMaxSpreadCtasPerSm = 4;
 // ~2 waves on 132 SMs), so slicing costs the GEMM little; the default shape needs 8 MB up to
 // B = 4096 and is never sliced.
 constexpr int64_t kMaxWorkspaceFloats = (int64_t{16} << 20) / static_cast<int64_t>(sizeof(float));
-static_assert(certified::kMaxSplits * kMaxWorkspaceFloats <= std::numeric_limits<int>::max(),
+static_assert(std::max(certified::kMaxSplits, certified::kFusedMaxSplits) * kMaxWorkspaceFloats <=
+                  std::numeric_limits<int>::max(),
               "the certified selection's partial offsets fit in an int");
 
 // Largest supported K (padded to a multiple of 4): offsets inside a row, plus two chunks of
@@ -493,12 +497,13 @@ const DeviceInfo& device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     info->dependent_launch = device_has_dependent_launch(device);
     if (FPG_WITH_SM90A && major == 9 && minor == 0 &&
-        std::max(fg::kWgSmemBytes, fg::kPass1SmemBytes) <= max_smem_optin) {
+        std::max(fg::kWgSmemBytes, fg::kPass1MaxSmemBytes) <= max_smem_optin) {
       cudaFuncAttributes attributes{};
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
       if (attributes.binaryVersion == 90) {
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
-        set_max_dynamic_smem(fg::certified_pass1_kernel, fg::kPass1SmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel<128>, fg::Pass1Tile<128>::kSmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel<256>, fg::Pass1Tile<256>::kSmemBytes);
         info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
                                                        fg::kWgThreads, fg::kWgSmemBytes);
       }
@@ -1011,25 +1016,48 @@ void launch_prepare(const Operand& w, int64_t n, int64_t k_padded, uint8_t* prep
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The weight's prepared copy (prepared_weight.h; made here unless the caller passes one), pass 1
-// (single-pass fp16 wgmma) and the selection (which takes x's norms from pass 1's split sums), each
-// a programmatic dependent of the one before.
-Selection certified_select(const DeviceInfo& info, const Operand& x, const Operand& w,
-                           const uint8_t* prepared, const float* bias, float scale, int64_t batch,
-                           int64_t n, int64_t k_padded, const at::TensorOptions& options,
-                           cudaStream_t stream) {
-  const int64_t tiles =
-      ceil_div(batch, int64_t{fg::kPass1BlockM}) * ceil_div(n, int64_t{fg::kPass1BlockN});
+// Whether the certified path serves `batch` rows with 128-wide pass-1 tiles split up to
+// kFusedMaxSplits ways and one CTA per row that selects and rescores it (select_rescore_kernel):
+// where the rows fit on the SMs at once. Larger batches take 256-wide tiles, at most
+// certified::kMaxSplits splits, and the selection and rescoring kernels (the rescoring in heavy-
+// rows-first order over several waves).
+bool certified_fused_rows(const DeviceInfo& info, int64_t batch) { return batch <= info.sms; }
+
+struct CertifiedOutputs {
+  float* out;
+  int64_t* argmax;
+  float* preactivation;
+};
+
+void certified_rescore(const Operand& x, const Operand& w, const float* bias, float scale,
+                       int64_t batch, int64_t n, int64_t k_padded, const Selection& selection,
+                       const CertifiedOutputs& outputs, bool fused,
+                       const certified::SelectParams& select, const DeviceInfo& info,
+                       cudaStream_t stream);
+
+// The certified forward: the weight's prepared copy (prepared_weight.h; made here unless the
+// caller passes one), pass 1 (single-pass fp16 wgmma), then the selection (which takes x's norms
+// from pass 1's split sums) and the rescoring, fused per row or as two kernels
+// (certified_fused_rows), each a programmatic dependent of the one before. Returns the selection's
+// workspace (its counts: _certified_candidate_counts).
+Selection certified_forward(const DeviceInfo& info, const Operand& x, const Operand& w,
+                            const uint8_t* prepared, const float* bias, float scale, int64_t batch,
+                            int64_t n, int64_t k_padded, const at::TensorOptions& options,
+                            const CertifiedOutputs& outputs, cudaStream_t stream) {
+  const bool fused = certified_fused_rows(info, batch);
+  const int64_t block_n = fused ? 128 : 256;
+  const int64_t max_splits = fused ? certified::kFusedMaxSplits : certified::kMaxSplits;
+  const int64_t tiles = ceil_div(batch, int64_t{fg::kPass1BlockM}) * ceil_div(n, block_n);
   // One CTA per SM (the kernel's shared memory); the whole split is one tensor-core chain.
-  const int64_t split_cap =
-      std::min(int64_t{certified::kMaxSplits}, kMaxWorkspaceFloats / (batch * n));
+  const int64_t split_cap = std::min(max_splits, kMaxWorkspaceFloats / (batch * n));
   const int64_t k_per_split =
       plan_k_tiles_per_split(tiles, ceil_div(k_padded, int64_t{fg::kPass1BlockK}), info.sms,
-                             split_cap, kPass1MinKTilesPerSplit) *
+                             split_cap,
+                             fused ? kPass1FusedMinKTilesPerSplit : kPass1MinKTilesPerSplit) *
       fg::kPass1BlockK;
   const int64_t splits = ceil_div(k_padded, k_per_split);
-  TORCH_CHECK(splits >= 1 && splits <= certified::kMaxSplits,
-              "fused_pool_gelu.forward: internal error: ", splits, " certified splits");
+  TORCH_CHECK(splits >= 1 && splits <= max_splits, "fused_pool_gelu.forward: internal error: ",
+              splits, " certified splits");
   // One allocation (each costs host time in every call), freed on return: the caching allocator
   // reuses it only after this stream's kernels. The partials (bfloat16, two to a float); x's split
   // sums of squares, of squared residuals and scale exponents (the selection makes x's norms from
@@ -1073,15 +1101,20 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   // it (prepared_copy_group), and zeros for the rest; x's map zero-fills past k_padded.
   const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, fg::kPass1BlockM),
                          tensor_map(reinterpret_cast<const __half*>(prepared), copy_halves, n,
-                                    copy_halves, fg::kPass1BlockN)};
+                                    copy_halves, static_cast<int>(block_n))};
   cudaLaunchAttribute pass1_attribute{};
   cudaLaunchConfig_t pass1_config =
       dependent_launch_config(1, fg::kWgThreads, stream, pass1_attribute);
-  pass1_config.gridDim = dim3(static_cast<unsigned>(ceil_div(n, int64_t{fg::kPass1BlockN})),
+  pass1_config.gridDim = dim3(static_cast<unsigned>(ceil_div(n, block_n)),
                               static_cast<unsigned>(ceil_div(batch, int64_t{fg::kPass1BlockM})),
                               static_cast<unsigned>(splits));
-  pass1_config.dynamicSmemBytes = fg::kPass1SmemBytes;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel, gemm, maps));
+  if (fused) {
+    pass1_config.dynamicSmemBytes = fg::Pass1Tile<128>::kSmemBytes;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<128>, gemm, maps));
+  } else {
+    pass1_config.dynamicSmemBytes = fg::Pass1Tile<256>::kSmemBytes;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<256>, gemm, maps));
+  }
 
   certified::SelectParams select{};
   select.partial = partial;
@@ -1103,25 +1136,17 @@ Selection certified_select(const DeviceInfo& info, const Operand& x, const Opera
   select.rescore_rows = selection.rescore_rows();
   select.rescore_counts = selection.rescore_counts();
   select.rescore_ends = selection.rescore_ends();
-  cudaLaunchAttribute attribute{};
-  cudaLaunchConfig_t config =
-      dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
-  config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
-  const int columns_per_thread = certified::select_columns_per_thread(batch, n, info.sms);
-  dispatch_split_bound<certified::kMaxSplits>(splits, [&](auto split_bound) {
-    constexpr int kSplitBound = decltype(split_bound)::value;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(
-        &config,
-        columns_per_thread == 1 ? certified::select_candidates_kernel<kSplitBound, 1>
-                                : certified::select_candidates_kernel<kSplitBound, 4>,
-        select));
-  });
+  certified_rescore(x, w, bias, scale, batch, n, k_padded, selection, outputs, fused, select, info,
+                    stream);
   return selection;
 }
 
+// The selection and the rescoring after pass 1: select_rescore_kernel where `fused`, else
+// select_candidates_kernel and rescore_kernel.
 void certified_rescore(const Operand& x, const Operand& w, const float* bias, float scale,
                        int64_t batch, int64_t n, int64_t k_padded, const Selection& selection,
-                       at::Tensor& out, at::Tensor& argmax, at::Tensor& preactivation,
+                       const CertifiedOutputs& outputs, bool fused,
+                       const certified::SelectParams& select, const DeviceInfo& info,
                        cudaStream_t stream) {
   certified::RescoreParams rescore{};
   rescore.x = x.data;
@@ -1137,11 +1162,34 @@ void certified_rescore(const Operand& x, const Operand& w, const float* bias, fl
   rescore.rescore_rows = selection.rescore_rows();
   rescore.rescore_counts = selection.rescore_counts();
   cudaLaunchAttribute attribute{};
+  if (fused) {
+    cudaLaunchConfig_t config =
+        dependent_launch_config(batch, certified::kThreads, stream, attribute);
+    config.dynamicSmemBytes = certified::select_smem_bytes(n);
+    dispatch_split_bound<certified::kFusedMaxSplits>(select.splits, [&](auto split_bound) {
+      C10_CUDA_CHECK(cudaLaunchKernelEx(
+          &config, certified::select_rescore_kernel<decltype(split_bound)::value>, select,
+          rescore, outputs.out, outputs.argmax, outputs.preactivation));
+    });
+    return;
+  }
+  cudaLaunchConfig_t select_config =
+      dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
+  select_config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
+  const int columns_per_thread = certified::select_columns_per_thread(batch, n, info.sms);
+  dispatch_split_bound<certified::kMaxSplits>(select.splits, [&](auto split_bound) {
+    constexpr int kSplitBound = decltype(split_bound)::value;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(
+        &select_config,
+        columns_per_thread == 1 ? certified::select_candidates_kernel<kSplitBound, 1>
+                                : certified::select_candidates_kernel<kSplitBound, 4>,
+        select));
+  });
+  cudaLaunchAttribute rescore_attribute{};
   const cudaLaunchConfig_t config =
-      dependent_launch_config(batch, certified::kThreads, stream, attribute);
+      dependent_launch_config(batch, certified::kThreads, stream, rescore_attribute);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel<float>, rescore,
-                                    out.data_ptr<float>(), argmax.data_ptr<int64_t>(),
-                                    preactivation.data_ptr<float>()));
+                                    outputs.out, outputs.argmax, outputs.preactivation));
 }
 
 template <typename out_t>
@@ -1222,11 +1270,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     const float scale_f32 = static_cast<float>(scale);
     const uint8_t* prepared =
         prepared_weight.has_value() ? prepared_weight->const_data_ptr<uint8_t>() : nullptr;
-    const Selection selection = certified_select(info, x_op, w_op, prepared, bias_data,
-                                                 scale_f32, batch, n, k_padded, x.options(),
-                                                 stream);
-    certified_rescore(x_op, w_op, bias_data, scale_f32, batch, n, k_padded, selection, out,
-                      argmax, preactivation, stream);
+    certified_forward(info, x_op, w_op, prepared, bias_data, scale_f32, batch, n, k_padded,
+                      x.options(),
+                      CertifiedOutputs{out.data_ptr<float>(), argmax.data_ptr<int64_t>(),
+                                       preactivation.data_ptr<float>()},
+                      stream);
     return {out, argmax, preactivation};
   }
   const int64_t slice_rows = k > 0 ? rows_per_slice(batch, n) : batch;
@@ -1299,9 +1347,15 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const Operand x_op = as_kernel_operand(x, k_padded);
   const Operand w_op = as_kernel_operand(weight, k_padded);
-  const Selection selection = certified_select(
+  // The forward's outputs are not returned: the counts are the selection's.
+  at::Tensor out = at::empty({batch}, x.options());
+  at::Tensor argmax = at::empty({batch}, x.options().dtype(at::kLong));
+  at::Tensor preactivation = at::empty({batch}, x.options());
+  const Selection selection = certified_forward(
       info, x_op, w_op, nullptr, bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr,
       static_cast<float>(scale), batch, n, k_padded, x.options(),
+      CertifiedOutputs{out.data_ptr<float>(), argmax.data_ptr<int64_t>(),
+                       preactivation.data_ptr<float>()},
       c10::cuda::getCurrentCUDAStream());
   return selection.workspace.narrow(0, selection.offset, batch).view(at::kInt).clone();
 }

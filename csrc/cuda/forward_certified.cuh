@@ -202,13 +202,14 @@ constexpr int kRescoreHeavyCandidates = 2;
 
 // Pass 1's split partials of kColumns adjacent columns of one row, from index = row * n + col of
 // each split, every load issued at once, as sum_few_splits does (loads past the last split re-read
-// it), but indexed in 32 bits (kMaxSplits x rows x N fits, see kMaxSplits) and widened only after a
-// split's offset is added: unsigned 32-bit sums cannot be widened term by term, so the compiler
-// keeps each split's index in one register. From sum_few_splits' pointer (row_partial + col) it
-// kept a 64-bit address per split across the column loop when the code before the loop changed: 8
-// more registers at 8 splits, 32-48 bytes of spills at the 40-register cap (the x norms computed
-// in this kernel, or none at all). Each load's address also takes 2 instructions, not 4. kColumns
-// = 4 (col and N multiples of 4: 8-byte aligned) takes each split's four bfloat16 in one load.
+// it), but indexed in 32 bits (kMaxSplits or kFusedMaxSplits x rows x N fits, see kMaxSplits) and
+// widened only after a split's offset is added: unsigned 32-bit sums cannot be widened term by
+// term, so the compiler keeps each split's index in one register. From sum_few_splits' pointer
+// (row_partial + col) it kept a 64-bit address per split across the column loop when the code
+// before the loop changed: 8 more registers at 8 splits, 32-48 bytes of spills at the 40-register
+// cap (the x norms computed in this kernel, or none at all). Each load's address also takes 2
+// instructions, not 4. kColumns = 4 (col and N multiples of 4: 8-byte aligned) takes each split's
+// four bfloat16 in one load.
 template <int kSplitBound, int kColumns>
 __device__ __forceinline__ void load_split_partials(const SelectParams& p, uint32_t index,
                                                     float (&v)[kColumns][kSplitBound]) {
@@ -575,33 +576,40 @@ inline int select_columns_per_thread(int64_t batch, int64_t n, int sms) {
 // arg-max rule orders by value, then index). 40 registers with one column per thread, 64 with four
 // (at 8 splits), no spill. The square roots' slow path (arguments below 2^-101: zero and tiny rows;
 // Inf, NaN) is a call, in warp 0 only.
-template <int kSplitBound, int kColumnsPerThread>
-__global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsPerThread))
-    select_candidates_kernel(const SelectParams p) {
-  wait_for_previous_grid();
-  extern __shared__ float s_upper[];  // [n]
-  __shared__ float s_value[kSelectWarps];
-  __shared__ int s_flag[kSelectWarps];
-  __shared__ int s_count;
+// Shared memory of select_row, the candidates' upper ends aside (dynamic: [n] floats).
+template <int kCtaWarps>
+struct SelectScratch {
+  float value[kCtaWarps];
+  int flag[kCtaWarps];
+  int count;
+  Norms x_norms;
+};
+
+// The selection of one row by a CTA of kCtaThreads threads (see select_candidates_kernel): the
+// row's candidates in candidates[0, count) (a row of p.candidates, or shared memory) and count
+// returned to every thread, or -1: rescore every column.
+template <int kSplitBound, int kColumnsPerThread, int kCtaThreads>
+__device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, float* s_upper,
+                                          SelectScratch<kCtaThreads / 32>& scratch,
+                                          int* candidates) {
+  constexpr int kCtaWarps = kCtaThreads / 32;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int64_t row = blockIdx.x;
   const int64_t row_index = row * p.n;  // of the row's first partial in each split
-  __shared__ Norms s_x_norms;
   if (warp == 0) {
     const Norms norms = x_row_norms<kSplitBound>(p, row, lane);
     if (lane == 0) {
-      s_x_norms = norms;
-      s_count = 0;
+      scratch.x_norms = norms;
+      scratch.count = 0;
     }
   }
   __syncthreads();
-  const Norms x_norms = s_x_norms;
+  const Norms x_norms = scratch.x_norms;
 
   float best_lower = -INFINITY;
   bool whole_row = false;
   for (int64_t first = kColumnsPerThread * threadIdx.x; first < p.n;
-       first += kColumnsPerThread * kSelectThreads) {
+       first += kColumnsPerThread * kCtaThreads) {
     float partials[kColumnsPerThread][kSplitBound];
     load_split_partials<kSplitBound>(p, static_cast<uint32_t>(row_index + first), partials);
     Norms w_norms[kColumnsPerThread];
@@ -621,22 +629,31 @@ __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsP
     }
   }
   // Also the barrier after which every thread sees s_upper.
-  best_lower = block_max<kSelectWarps>(best_lower, whole_row, s_value, s_flag);
+  best_lower = block_max<kCtaWarps>(best_lower, whole_row, scratch.value, scratch.flag);
 
   if (!whole_row) {
-    for (int64_t col = threadIdx.x; col < p.n; col += kSelectThreads) {
+    for (int64_t col = threadIdx.x; col < p.n; col += kCtaThreads) {
       if (s_upper[col] >= best_lower) {
-        const int slot = atomicAdd(&s_count, 1);
-        if (slot < kMaxCandidates) {
-          p.candidates[row * kMaxCandidates + slot] = static_cast<int>(col);
-        }
+        const int slot = atomicAdd(&scratch.count, 1);
+        if (slot < kMaxCandidates) candidates[slot] = static_cast<int>(col);
       }
     }
   }
   __syncthreads();
+  const int count = scratch.count;
+  return whole_row || count > kMaxCandidates ? -1 : count;
+}
+
+template <int kSplitBound, int kColumnsPerThread>
+__global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsPerThread))
+    select_candidates_kernel(const SelectParams p) {
+  wait_for_previous_grid();
+  extern __shared__ float s_upper[];  // [n]
+  __shared__ SelectScratch<kSelectWarps> scratch;
+  const int64_t row = blockIdx.x;
+  const int result = select_row<kSplitBound, kColumnsPerThread, kSelectThreads>(
+      p, row, s_upper, scratch, p.candidates + row * kMaxCandidates);
   if (threadIdx.x == 0) {
-    const int count = s_count;
-    const int result = whole_row || count > kMaxCandidates ? -1 : count;
     p.count[row] = result;
     // Which CTA rescores the row does not change its result (rescore_kernel's arithmetic is per
     // row), so the order's dependence on the CTAs' timing leaves the outputs deterministic.
@@ -729,20 +746,13 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
   }
 }
 
-// One CTA per row, in the selection's order (heavy rows first, kRescoreHeavyCandidates): the
-// candidates' float32 z, then the arg-max with torch.max's rule. Each CTA waits on L2 most of the
-// time, so residency decides the speed: 64 registers for 4 CTAs per SM (80 and 3 before: rescoring
-// 40.6 -> 34.5 us at B = 1024, 123.7 -> 106.9 at 4096 on the H200). ptxas -v reports 16 bytes of
-// spill stores and 56 of loads at that cap; Nsight Compute counted 75 K local-memory requests at B
-// = 1024, ~0.3 per thread, so none sits in the K loop.
+// Row `row`'s candidates (candidates[0, count), or every column where count < 0) rescored in
+// float32 by the CTA (kThreads threads), then the arg-max with torch.max's rule, written by thread
+// 0.
 template <typename out_t>
-__global__ void __launch_bounds__(kThreads, 4)
-    rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
-                   out_t* __restrict__ preactivation) {
-  wait_for_previous_grid();  // the selection's writes
-  __shared__ float s_sum[kGroup][kWarps];
-  const int64_t row = p.rescore_rows[blockIdx.x];
-  const int count = p.rescore_counts[blockIdx.x];
+__device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row, int count,
+                                            const int* candidates, float (*s_sum)[kWarps],
+                                            out_t* out, int64_t* argmax, out_t* preactivation) {
   const float4* x_row = reinterpret_cast<const float4*>(p.x + row * p.ldx);
   const int64_t columns = count < 0 ? p.n : count;
   Candidate best{-INFINITY, p.n, 0.f};
@@ -752,7 +762,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       const int64_t j = j0 + (g < group ? g : 0);  // past the group: never read
-      cols[g] = count < 0 ? j : p.candidates[row * kMaxCandidates + j];
+      cols[g] = count < 0 ? j : candidates[j];
     }
     float dots[kGroup];
     switch (group) {
@@ -774,6 +784,50 @@ __global__ void __launch_bounds__(kThreads, 4)
     argmax[row] = best.index;
     preactivation[row] = static_cast<out_t>(best.z);
   }
+}
+
+// One CTA per row, in the selection's order (heavy rows first, kRescoreHeavyCandidates): the
+// candidates' float32 z, then the arg-max with torch.max's rule. Each CTA waits on L2 most of the
+// time, so residency decides the speed: 64 registers for 4 CTAs per SM (80 and 3 before: rescoring
+// 40.6 -> 34.5 us at B = 1024, 123.7 -> 106.9 at 4096 on the H200). ptxas -v reports 16 bytes of
+// spill stores and 56 of loads at that cap; Nsight Compute counted 75 K local-memory requests at B
+// = 1024, ~0.3 per thread, so none sits in the K loop.
+template <typename out_t>
+__global__ void __launch_bounds__(kThreads, 4)
+    rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
+                   out_t* __restrict__ preactivation) {
+  wait_for_previous_grid();  // the selection's writes
+  __shared__ float s_sum[kGroup][kWarps];
+  const int64_t row = p.rescore_rows[blockIdx.x];
+  rescore_row(p, row, p.rescore_counts[blockIdx.x], p.candidates + row * kMaxCandidates, s_sum,
+              out, argmax, preactivation);
+}
+
+// Splits of pass 1 that select_rescore_kernel sums, at most: the rows it serves are few (at most
+// one per SM), so pass 1 fills the GPU by splitting K finely, and a thread loads each column's
+// partials of every split at once (load_split_partials: 32 registers, one column per thread).
+constexpr int kFusedMaxSplits = 32;
+
+// The selection and the rescoring of a row by one CTA (kThreads threads), for batches of at most
+// one row per SM (forward.cu's fused_rows): the two kernels' CTAs for a row, with the candidates
+// handed over in shared memory instead of global memory and a launch. Each kernel alone at B = 128
+// (K = 8192, N = 512, H200) spends most of its time on one CTA per SM's latency chain (selection
+// ~4 us, rescoring ~7 us own: NOTES); here the rescoring's chain starts as soon as its row is
+// selected, while other rows are still being selected. Same arithmetic per row as the two kernels
+// (select_row, rescore_row), so the same results, and p.count[row] as the selection writes it.
+template <int kSplitBound>
+__global__ void __launch_bounds__(kThreads)
+    select_rescore_kernel(const SelectParams p, const RescoreParams r, float* __restrict__ out,
+                          int64_t* __restrict__ argmax, float* __restrict__ preactivation) {
+  wait_for_previous_grid();
+  extern __shared__ float s_upper[];  // [n]
+  __shared__ SelectScratch<kWarps> scratch;
+  __shared__ int s_candidates[kMaxCandidates];
+  __shared__ float s_sum[kGroup][kWarps];
+  const int64_t row = blockIdx.x;
+  const int count = select_row<kSplitBound, 1, kThreads>(p, row, s_upper, scratch, s_candidates);
+  if (threadIdx.x == 0) p.count[row] = count;
+  rescore_row(r, row, count, s_candidates, s_sum, out, argmax, preactivation);
 }
 
 }  // namespace certified

@@ -49,6 +49,7 @@
 #include <cuda.h>  // CUtensorMap (a plain struct: no driver library needed at link time)
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -534,53 +535,68 @@ struct TmaMaps {
 // from DRAM (32 MB at B = 1024) could not overlap anything (a version with both copies made ahead:
 // pass 1 26.7 us, the copies 27.2).
 //
-// CTA tile 128 (x rows) x 256 (weight rows) x 64 (K), 384 threads:
-//   warp 0, lane 0: the TMA producer (two 16 KB float32 x boxes and one 32 KB fp16 weight box per
-//     stage, all 128-byte swizzled, completing on the stage's full barrier); warps 1-3 idle;
-//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all 256 weight rows. Per K step
+// CTA tile 128 (x rows) x kBlockN (weight rows: 256 or 128, Pass1Tile) x 64 (K), 384 threads:
+//   warp 0, lane 0: the TMA producer (two 16 KB float32 x boxes and one fp16 weight box of 32 or
+//     16 KB per stage, all 128-byte swizzled, completing on the stage's full barrier); warps 1-3
+//     idle;
+//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all kBlockN weight rows. Per K step
 //     of 16 each thread loads its A fragment (rows g and g + 8 of its warp's 16, K positions 2 t,
 //     2 t + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout; the columns at those positions are the
 //     weight copy's, prepared_copy_group) from the float32 stage, converts it to fp16 (4
-//     registers), and issues one m64n256k16 wgmma with A from registers and the weight from
+//     registers), and issues one m64n{kBlockN}k16 wgmma with A from registers and the weight from
 //     shared memory (K-major: a 128-byte row is 64 halves, K step kk starts 32 kk bytes into it).
 //     The consumers whose rows' norms this CTA owes also sum the squares of the
 //     scaled x values and of their fp16 residuals.
-// The tensor core accumulates the whole split (no float32 flush: 128 accumulator floats per
+// The tensor core accumulates the whole split (no float32 flush: up to 128 accumulator floats per
 // thread leave no room for a second set); the bound models that chain (certified_bound).
 // ------------------------------------------------------------------------------------------------
 constexpr int kPass1BlockM = 128;
-constexpr int kPass1BlockN = 256;
 constexpr int kPass1BlockK = 64;  // fp16 weight row: 128 bytes, one swizzle row
 constexpr int kPass1XBoxK = 32;   // float32 x row: 128 bytes, one swizzle row
 constexpr int kPass1MmaK = 16;
-constexpr int kPass1Stages = 3;
-constexpr int kPass1Accum = kPass1BlockN / 2;                      // floats per consumer thread
 constexpr int kPass1XBoxBytes = kPass1BlockM * kPass1XBoxK * 4;    // 16 KB
 constexpr int kPass1XTileBytes = 2 * kPass1XBoxBytes;              // 32 KB
-constexpr int kPass1WTileBytes = kPass1BlockN * kPass1BlockK * 2;  // 32 KB
-constexpr int kPass1StageBytes = kPass1XTileBytes + kPass1WTileBytes;
-constexpr int kPass1BarrierOffset = kPass1Stages * kPass1StageBytes;
-// The tile's column inverse scales, copied from the prepared weight's trailers at the start: read
-// from global memory in the store, each would be a round trip between two stores that ptxas cannot
-// reorder (the stores may alias them), 64 in a chain per thread.
-constexpr int kPass1ColumnScaleOffset = kPass1BarrierOffset + 2 * kPass1Stages * 8;
-constexpr int kPass1SmemBytes = kPass1ColumnScaleOffset + kPass1BlockN * 4 + kWgSwizzleAlign;
 // x's scale per row and split: the first tile's largest |x| goes to [2^10, 2^11), leaving a factor
 // 32 below fp16's largest finite value (65504) for the split's later tiles; a larger value
 // overflows to infinity and the row is rescored whole (forward_certified.cuh).
 constexpr int kPass1XScaleTarget = 10;
-// 128 x 56 + 256 x 224 = 64512 <= 384 x 168 (see kWgProducerRegisters): the consumers hold 128
-// accumulator floats and 16 A registers.
+// 128 x 56 + 256 x 224 = 64512 <= 384 x 168 (see kWgProducerRegisters): the consumers hold up to
+// 128 accumulator floats and 16 A registers.
 constexpr int kPass1ProducerRegisters = 56;
 constexpr int kPass1ConsumerRegisters = 224;
-static_assert(kPass1SmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
-static_assert(32 * kWgConsumerWarps == kPass1BlockN, "one column scale per consumer thread");
-static_assert(kPass1StageBytes % kWgSwizzleAlign == 0 && kPass1XBoxBytes % kWgSwizzleAlign == 0,
-              "swizzled tiles stay 1024-byte aligned");
+static_assert(kPass1XBoxBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
 static_assert(kPass1BlockK * 2 == 128 && kPass1XBoxK * 4 == 128,
               "one 128-byte swizzle row per tile row");
 static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= kWgThreads * 168,
               "setmaxnreg within the launch's registers");
+
+// Pass 1's shared memory for a tile of kBlockN weight rows. 256 where the batch fills the GPU with
+// whole-K or long splits (the tensor core's work per byte of x read is twice 128's). 128 where the
+// splits are many (the fused rows, forward_certified.cuh's select_rescore_kernel): to fill the SMs
+// each CTA takes a split of its own and stores its 128 x kBlockN partials, so the partials weigh
+// SMs x 128 x kBlockN bfloat16 whatever the split count, and every line of them first evicts one
+// of the benchmarks' flushed dirty lines (~0.6 us per MB on the H200). At B = 128, K = 8192, N =
+// 512, 128 CTAs: pass 1 11.0 us (256, 64 splits, 8 MB) -> 9.0 (128, 32 splits, 4 MB); without any
+// store either takes 6.4-6.6 (NOTES, 2026-11-30 22:45-23:03 UTC).
+template <int kBlockN>
+struct Pass1Tile {
+  static_assert(kBlockN == 128 || kBlockN == 256, "one m64n128k16 or m64n256k16 wgmma per K step");
+  // 3 x 64 KB at 256, 4 x 48 KB at 128: at 128 the whole of a 4-tile split is in flight at once.
+  static constexpr int kStages = kBlockN == 256 ? 3 : 4;
+  static constexpr int kAccum = kBlockN / 2;  // floats per consumer thread
+  static constexpr int kStageBytes = kPass1XTileBytes + kBlockN * kPass1BlockK * 2;
+  static constexpr int kBarrierOffset = kStages * kStageBytes;
+  // The tile's column inverse scales, copied from the prepared weight's trailers at the start:
+  // read from global memory in the store, each would be a round trip between two stores that
+  // ptxas cannot reorder (the stores may alias them), 64 in a chain per thread.
+  static constexpr int kColumnScaleOffset = kBarrierOffset + 2 * kStages * 8;
+  static constexpr int kSmemBytes = kColumnScaleOffset + kBlockN * 4 + kWgSwizzleAlign;
+  static_assert(kSmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
+  static_assert(kStageBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
+  static_assert(kBlockN <= 32 * kWgConsumerWarps, "one column scale per consumer thread at most");
+};
+constexpr int kPass1MaxSmemBytes =
+    std::max(Pass1Tile<128>::kSmemBytes, Pass1Tile<256>::kSmemBytes);
 
 #if FPG_WGMMA_DEVICE_CODE
 // d += a * b on 64 x 256 x 16: a fp16 from registers (the m16n8k16 A fragment of each warp's 16
@@ -609,27 +625,44 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16_rs(float (&d)[128], const u
       : FPG_ACC32(0), FPG_ACC32(32), FPG_ACC32(64), FPG_ACC32(96)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(1));
 }
+// The same for 64 x 128 x 16: 64 accumulator floats per thread, value 4 j + e at row g (+8 for e
+// >= 2) and column 8 j + 2 t + (e % 2).
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const uint32_t* a,
+                                                        uint64_t b_descriptor) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : FPG_ACC32(0), FPG_ACC32(32)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(1));
+}
 #undef FPG_ACC32
 #undef FPG_ACC8
 
 #endif  // FPG_WGMMA_DEVICE_CODE
 
+template <int kBlockN>
 __global__ void __launch_bounds__(kWgThreads, 1)
     certified_pass1_kernel(const GemmParams p, const __grid_constant__ TmaMaps maps) {
 #if FPG_WGMMA_DEVICE_CODE
+  using Tile = Pass1Tile<kBlockN>;
   allow_dependent_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t smem_base =
       (shared_address(smem_raw) + (kWgSwizzleAlign - 1)) & ~uint32_t{kWgSwizzleAlign - 1};
   unsigned char* const smem = smem_raw + (smem_base - shared_address(smem_raw));
-  const uint32_t full_barrier = smem_base + kPass1BarrierOffset;
-  const uint32_t empty_barrier = full_barrier + 8 * kPass1Stages;
-  float* const column_inverse_scale = reinterpret_cast<float*>(smem + kPass1ColumnScaleOffset);
+  const uint32_t full_barrier = smem_base + Tile::kBarrierOffset;
+  const uint32_t empty_barrier = full_barrier + 8 * Tile::kStages;
+  float* const column_inverse_scale = reinterpret_cast<float*>(smem + Tile::kColumnScaleOffset);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kPass1BlockN;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kPass1BlockM;
   const int split = blockIdx.z;
   const int64_t k_begin = split * p.k_per_split;
@@ -640,7 +673,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // Full: the producer's expect_tx arrival plus the TMA bytes. Empty: one arrival per consumer
   // warp, after its wgmmas on the stage completed.
   if (tid == 0) {
-    for (int s = 0; s < kPass1Stages; ++s) {
+    for (int s = 0; s < Tile::kStages; ++s) {
       mbarrier_init(full_barrier + 8 * s, 1);
       mbarrier_init(empty_barrier + 8 * s, kWgConsumerWarps);
     }
@@ -662,13 +695,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       // rows again.
       const uint64_t x_policy = l2_evict_last_policy();
       for (int kt = 0; kt < num_k_tiles; ++kt) {
-        const int stage = kt % kPass1Stages;
-        if (kt >= kPass1Stages) {
-          mbarrier_wait(empty_barrier + 8 * stage, ((kt / kPass1Stages) - 1) & 1);
+        const int stage = kt % Tile::kStages;
+        if (kt >= Tile::kStages) {
+          mbarrier_wait(empty_barrier + 8 * stage, ((kt / Tile::kStages) - 1) & 1);
         }
         const uint32_t full = full_barrier + 8 * stage;
-        const uint32_t x_tile = smem_base + stage * kPass1StageBytes;
-        mbarrier_arrive_expect_tx(full, kPass1StageBytes);
+        const uint32_t x_tile = smem_base + stage * Tile::kStageBytes;
+        mbarrier_arrive_expect_tx(full, Tile::kStageBytes);
         // Boxes past the tensor's rows or K are zero-filled and still count their full bytes.
         const int32_t k = static_cast<int32_t>(k_begin) + kt * kPass1BlockK;
         tma_load(x_tile, &maps.x, k, static_cast<int32_t>(m0), full, x_policy);
@@ -682,7 +715,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   // Consumers.
   set_max_registers<true, kPass1ConsumerRegisters>();
-  {
+  if (tid - kWgProducerThreads < kBlockN) {
     const int64_t column = n0 + (tid - kWgProducerThreads);
     column_inverse_scale[tid - kWgProducerThreads] =
         column < p.n ? p.w_inverse_scale[column * p.w_inverse_scale_stride] : 0.f;
@@ -706,7 +739,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     return (kk / 2) * kPass1XBoxBytes + (tile_row + 8 * h) * 128 + ((chunk ^ g) << 4) + 8 * (t % 2);
   };
   auto load_fragment = [&](int stage, int kk, float2 (&v)[2][2]) {
-    const unsigned char* stage_bytes = smem + stage * kPass1StageBytes;
+    const unsigned char* stage_bytes = smem + stage * Tile::kStageBytes;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -724,12 +757,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   float residual_squares[2] = {0.f, 0.f};
 
   // Converts tile kt's A fragments (4 K steps x 4 registers) and issues its wgmmas.
-  float acc[kPass1Accum];
+  float acc[Tile::kAccum];
 #pragma unroll
-  for (int i = 0; i < kPass1Accum; ++i) acc[i] = 0.f;
+  for (int i = 0; i < Tile::kAccum; ++i) acc[i] = 0.f;
   auto process_tile = [&](int kt, uint32_t (&a)[kPass1BlockK / kPass1MmaK][4]) {
-    const int stage = kt % kPass1Stages;
-    mbarrier_wait(full_barrier + 8 * stage, (kt / kPass1Stages) & 1);
+    const int stage = kt % Tile::kStages;
+    mbarrier_wait(full_barrier + 8 * stage, (kt / Tile::kStages) & 1);
     if (kt == 0) {
       float largest[2] = {0.f, 0.f};
 #pragma unroll
@@ -777,11 +810,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         }
       }
     }
-    const uint32_t w_tile = smem_base + stage * kPass1StageBytes + kPass1XTileBytes;
+    const uint32_t w_tile = smem_base + stage * Tile::kStageBytes + kPass1XTileBytes;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPass1BlockK / kPass1MmaK; ++kk) {
-      wgmma_m64n256k16_f16_rs(acc, a[kk], swizzled_tile_descriptor(w_tile + 32 * kk));
+      if constexpr (kBlockN == 256) {
+        wgmma_m64n256k16_f16_rs(acc, a[kk], swizzled_tile_descriptor(w_tile + 32 * kk));
+      } else {
+        wgmma_m64n128k16_f16_rs(acc, a[kk], swizzled_tile_descriptor(w_tile + 32 * kk));
+      }
     }
     wgmma_commit();
     // All of the tile's wgmmas, before the next tile's conversion writes their A registers; the
