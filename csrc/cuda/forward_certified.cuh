@@ -588,7 +588,7 @@ struct SelectScratch {
 // The selection of one row by a CTA of kCtaThreads threads (see select_candidates_kernel): the
 // row's candidates in candidates[0, count) (a row of p.candidates, or shared memory) and count
 // returned to every thread, or -1: rescore every column.
-template <int kSplitBound, int kColumnsPerThread, int kCtaThreads>
+template <int kSplitBound, int kColumnsPerThread, int kCtaThreads, int kColumnSteps = 1>
 __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, float* s_upper,
                                           SelectScratch<kCtaThreads / 32>& scratch,
                                           int* candidates) {
@@ -608,6 +608,7 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
 
   float best_lower = -INFINITY;
   bool whole_row = false;
+#pragma unroll(kColumnSteps)
   for (int64_t first = kColumnsPerThread * threadIdx.x; first < p.n;
        first += kColumnsPerThread * kCtaThreads) {
     float partials[kColumnsPerThread][kSplitBound];
@@ -700,7 +701,7 @@ constexpr int kGroup = 4;
 // placeholder: most rows have 1-2 candidates (1.74 on average on the benchmarks' data at B =
 // 1024), and a fixed group of 4 read a placeholder weight row for each empty slot (with the
 // earlier bound's 4.05 candidates: 7.5 row reads of 32 KB per row instead of 5.7).
-template <int kColumns>
+template <int kColumns, bool kDeepLoads>
 __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float4* x_row,
                                              const int64_t* cols, float* dots,
                                              float (*s_sum)[kWarps]) {
@@ -714,8 +715,9 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
   // row is latency-bound otherwise (~8 dependent round trips to L2 per group at K = 8192). Two
   // for groups of 3-4, four for 1-2 (the rows with one candidate, most of them, end the kernel):
   // within the 64 registers that let 4 CTAs share an SM (rescore_kernel; four for every group
-  // needed 80, 3 CTAs per SM).
-#pragma unroll(kColumns <= 2 ? 4 : 2)
+  // needed 80, 3 CTAs per SM). kDeepLoads (select_rescore_kernel, one CTA per SM): twice that,
+  // so that at K = 8192 a row's x and its first two candidates are one round trip.
+#pragma unroll((kColumns <= 2 ? 4 : 2) * (kDeepLoads ? 2 : 1))
   for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
     const float4 a = __ldg(x_row + i);
 #pragma unroll
@@ -749,7 +751,7 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
 // Row `row`'s candidates (candidates[0, count), or every column where count < 0) rescored in
 // float32 by the CTA (kThreads threads), then the arg-max with torch.max's rule, written by thread
 // 0.
-template <typename out_t>
+template <bool kDeepLoads, typename out_t>
 __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row, int count,
                                             const int* candidates, float (*s_sum)[kWarps],
                                             out_t* out, int64_t* argmax, out_t* preactivation) {
@@ -766,10 +768,10 @@ __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row,
     }
     float dots[kGroup];
     switch (group) {
-      case 1: rescore_dots<1>(p, x_row, cols, dots, s_sum); break;
-      case 2: rescore_dots<2>(p, x_row, cols, dots, s_sum); break;
-      case 3: rescore_dots<3>(p, x_row, cols, dots, s_sum); break;
-      default: rescore_dots<kGroup>(p, x_row, cols, dots, s_sum); break;
+      case 1: rescore_dots<1, kDeepLoads>(p, x_row, cols, dots, s_sum); break;
+      case 2: rescore_dots<2, kDeepLoads>(p, x_row, cols, dots, s_sum); break;
+      case 3: rescore_dots<3, kDeepLoads>(p, x_row, cols, dots, s_sum); break;
+      default: rescore_dots<kGroup, kDeepLoads>(p, x_row, cols, dots, s_sum); break;
     }
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
@@ -799,8 +801,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   wait_for_previous_grid();  // the selection's writes
   __shared__ float s_sum[kGroup][kWarps];
   const int64_t row = p.rescore_rows[blockIdx.x];
-  rescore_row(p, row, p.rescore_counts[blockIdx.x], p.candidates + row * kMaxCandidates, s_sum,
-              out, argmax, preactivation);
+  rescore_row<false>(p, row, p.rescore_counts[blockIdx.x], p.candidates + row * kMaxCandidates,
+                     s_sum, out, argmax, preactivation);
 }
 
 // Splits of pass 1 that select_rescore_kernel sums, at most: the rows it serves are few (at most
@@ -825,9 +827,10 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int s_candidates[kMaxCandidates];
   __shared__ float s_sum[kGroup][kWarps];
   const int64_t row = blockIdx.x;
-  const int count = select_row<kSplitBound, 1, kThreads>(p, row, s_upper, scratch, s_candidates);
+  const int count =
+      select_row<kSplitBound, 1, kThreads, 2>(p, row, s_upper, scratch, s_candidates);
   if (threadIdx.x == 0) p.count[row] = count;
-  rescore_row(r, row, count, s_candidates, s_sum, out, argmax, preactivation);
+  rescore_row<true>(r, row, count, s_candidates, s_sum, out, argmax, preactivation);
 }
 
 }  // namespace certified
