@@ -1165,7 +1165,9 @@ void certified_rescore(const Operand& x, const Operand& w, const float* bias, fl
   if (fused) {
     cudaLaunchConfig_t config =
         dependent_launch_config(batch, certified::kThreads, stream, attribute);
-    config.dynamicSmemBytes = certified::select_smem_bytes(n);
+    // Spread like the selection: as pass 1's dependent its CTAs would otherwise pile onto the
+    // few SMs pass 1 leaves free (B = 128: 13.3 us of own time).
+    config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
     dispatch_split_bound<certified::kFusedMaxSplits>(select.splits, [&](auto split_bound) {
       C10_CUDA_CHECK(cudaLaunchKernelEx(
           &config, certified::select_rescore_kernel<decltype(split_bound)::value>, select,

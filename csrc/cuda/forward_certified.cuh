@@ -666,15 +666,6 @@ __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsP
   }
 }
 
-// Calls f(kernel) for each selection instance: split bounds 1, 2, 4, ..., kMaxSplits, one or four
-// columns per thread.
-template <int kSplitBound = 1, typename F>
-void for_each_select_kernel(F&& f) {
-  f(select_candidates_kernel<kSplitBound, 1>);
-  f(select_candidates_kernel<kSplitBound, 4>);
-  if constexpr (kSplitBound < kMaxSplits) for_each_select_kernel<2 * kSplitBound>(f);
-}
-
 struct RescoreParams {
   const float* x;         // [batch, k_padded] rows of stride ldx (zero-padded past K)
   int64_t ldx;
@@ -831,6 +822,20 @@ __global__ void __launch_bounds__(kThreads)
       select_row<kSplitBound, 1, kThreads, 2>(p, row, s_upper, scratch, s_candidates);
   if (threadIdx.x == 0) p.count[row] = count;
   rescore_row<true>(r, row, count, s_candidates, s_sum, out, argmax, preactivation);
+}
+
+// Calls f(kernel) for each selection instance: select_candidates_kernel at split bounds 1, 2, 4,
+// ..., kMaxSplits, one or four columns per thread, and select_rescore_kernel at 1, 2, 4, ...,
+// kFusedMaxSplits.
+template <int kSplitBound = 1, typename F>
+void for_each_select_kernel(F&& f) {
+  static_assert(kFusedMaxSplits >= kMaxSplits, "one walk over the split bounds");
+  if constexpr (kSplitBound <= kMaxSplits) {
+    f(select_candidates_kernel<kSplitBound, 1>);
+    f(select_candidates_kernel<kSplitBound, 4>);
+  }
+  f(select_rescore_kernel<kSplitBound>);
+  if constexpr (kSplitBound < kFusedMaxSplits) for_each_select_kernel<2 * kSplitBound>(f);
 }
 
 }  // namespace certified
