@@ -1164,7 +1164,7 @@ void certified_rescore(const Operand& x, const Operand& w, const float* bias, fl
   cudaLaunchAttribute attribute{};
   if (fused) {
     cudaLaunchConfig_t config =
-        dependent_launch_config(batch, certified::kThreads, stream, attribute);
+        dependent_launch_config(batch, certified::kFusedThreads, stream, attribute);
     // Spread like the selection: as pass 1's dependent its CTAs would otherwise pile onto the
     // few SMs pass 1 leaves free (B = 128: 13.3 us of own time).
     config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));

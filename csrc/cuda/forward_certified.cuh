@@ -101,6 +101,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "prepared_weight.h"
@@ -587,8 +588,12 @@ struct SelectScratch {
 
 // The selection of one row by a CTA of kCtaThreads threads (see select_candidates_kernel): the
 // row's candidates in candidates[0, count) (a row of p.candidates, or shared memory) and count
-// returned to every thread, or -1: rescore every column.
-template <int kSplitBound, int kColumnsPerThread, int kCtaThreads, int kColumnSteps = 1>
+// returned to every thread, or -1: rescore every column. kNormsPerWarp: every warp takes the row's
+// x norms itself, after issuing its first columns' split loads, so that the two round trips
+// overlap and no barrier waits for one warp's (select_rescore_kernel, one CTA per SM); else warp 0
+// takes them and hands them over through shared memory, which keeps the column loop's registers
+// free of that code's (the selection kernel's 40-register cap).
+template <int kSplitBound, int kColumnsPerThread, int kCtaThreads, bool kNormsPerWarp>
 __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, float* s_upper,
                                           SelectScratch<kCtaThreads / 32>& scratch,
                                           int* candidates) {
@@ -596,23 +601,34 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int64_t row_index = row * p.n;  // of the row's first partial in each split
-  if (warp == 0) {
-    const Norms norms = x_row_norms<kSplitBound>(p, row, lane);
-    if (lane == 0) {
-      scratch.x_norms = norms;
-      scratch.count = 0;
+  const int64_t first_column = kColumnsPerThread * threadIdx.x;
+  float partials[kColumnsPerThread][kSplitBound];
+  Norms x_norms;
+  if constexpr (kNormsPerWarp) {
+    if (first_column < p.n) {
+      load_split_partials<kSplitBound>(p, static_cast<uint32_t>(row_index + first_column),
+                                       partials);
     }
+    x_norms = x_row_norms<kSplitBound>(p, row, lane);
+    if (threadIdx.x == 0) scratch.count = 0;  // first used after block_max's barrier
+  } else {
+    if (warp == 0) {
+      const Norms norms = x_row_norms<kSplitBound>(p, row, lane);
+      if (lane == 0) {
+        scratch.x_norms = norms;
+        scratch.count = 0;
+      }
+    }
+    __syncthreads();
+    x_norms = scratch.x_norms;
   }
-  __syncthreads();
-  const Norms x_norms = scratch.x_norms;
 
   float best_lower = -INFINITY;
   bool whole_row = false;
-#pragma unroll(kColumnSteps)
-  for (int64_t first = kColumnsPerThread * threadIdx.x; first < p.n;
-       first += kColumnsPerThread * kCtaThreads) {
-    float partials[kColumnsPerThread][kSplitBound];
-    load_split_partials<kSplitBound>(p, static_cast<uint32_t>(row_index + first), partials);
+  for (int64_t first = first_column; first < p.n; first += kColumnsPerThread * kCtaThreads) {
+    if (!kNormsPerWarp || first != first_column) {
+      load_split_partials<kSplitBound>(p, static_cast<uint32_t>(row_index + first), partials);
+    }
     Norms w_norms[kColumnsPerThread];
     float bias[kColumnsPerThread];
 #pragma unroll
@@ -652,7 +668,7 @@ __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsP
   extern __shared__ float s_upper[];  // [n]
   __shared__ SelectScratch<kSelectWarps> scratch;
   const int64_t row = blockIdx.x;
-  const int result = select_row<kSplitBound, kColumnsPerThread, kSelectThreads>(
+  const int result = select_row<kSplitBound, kColumnsPerThread, kSelectThreads, false>(
       p, row, s_upper, scratch, p.candidates + row * kMaxCandidates);
   if (threadIdx.x == 0) {
     p.count[row] = result;
@@ -692,10 +708,21 @@ constexpr int kGroup = 4;
 // placeholder: most rows have 1-2 candidates (1.74 on average on the benchmarks' data at B =
 // 1024), and a fixed group of 4 read a placeholder weight row for each empty slot (with the
 // earlier bound's 4.05 candidates: 7.5 row reads of 32 KB per row instead of 5.7).
-template <int kColumns, bool kDeepLoads>
+// A barrier over the kThreads threads of rescoring group `group` of a CTA of kGroups such groups
+// (rescore_row): the CTA's own when there is one group, else named barrier 1 + group.
+template <int kGroups>
+__device__ __forceinline__ void group_barrier(int group) {
+  if constexpr (kGroups == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "r"(kThreads) : "memory");
+  }
+}
+
+template <int kColumns, bool kDeepLoads, int kGroups>
 __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float4* x_row,
                                              const int64_t* cols, float* dots,
-                                             float (*s_sum)[kWarps]) {
+                                             float (*s_sum)[kWarps], int thread, int group) {
   const float4* w_rows[kColumns];
 #pragma unroll
   for (int g = 0; g < kColumns; ++g) {
@@ -709,7 +736,7 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
   // needed 80, 3 CTAs per SM). kDeepLoads (select_rescore_kernel, one CTA per SM): twice that,
   // so that at K = 8192 a row's x and its first two candidates are one round trip.
 #pragma unroll((kColumns <= 2 ? 4 : 2) * (kDeepLoads ? 2 : 1))
-  for (int64_t i = threadIdx.x; i < p.k4; i += kThreads) {
+  for (int64_t i = thread; i < p.k4; i += kThreads) {
     const float4 a = __ldg(x_row + i);
 #pragma unroll
     for (int g = 0; g < kColumns; ++g) {
@@ -720,17 +747,17 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
       dots[g] = fmaf(a.w, b.w, dots[g]);
     }
   }
-  const int warp = threadIdx.x / 32;
-  __syncthreads();  // s_sum is reused by the next group
+  const int warp = thread / 32;
+  group_barrier<kGroups>(group);  // s_sum is reused by the next group of columns
 #pragma unroll
   for (int g = 0; g < kColumns; ++g) {
 #pragma unroll
     for (int mask = 16; mask >= 1; mask /= 2) {
       dots[g] += __shfl_xor_sync(0xffffffffu, dots[g], mask);
     }
-    if (threadIdx.x % 32 == 0) s_sum[g][warp] = dots[g];
+    if (thread % 32 == 0) s_sum[g][warp] = dots[g];
   }
-  __syncthreads();
+  group_barrier<kGroups>(group);
 #pragma unroll
   for (int g = 0; g < kColumns; ++g) {
     dots[g] = s_sum[g][0];
@@ -739,37 +766,65 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
   }
 }
 
+// Shared memory of rescore_row.
+template <int kGroups>
+struct RescoreScratch {
+  float sum[kGroups][kGroup][kWarps];
+  Candidate best[kGroups];
+};
+
 // Row `row`'s candidates (candidates[0, count), or every column where count < 0) rescored in
-// float32 by the CTA (kThreads threads), then the arg-max with torch.max's rule, written by thread
-// 0.
-template <bool kDeepLoads, typename out_t>
+// float32 by the CTA's kGroups groups of kThreads threads (group g takes the candidates j with j
+// mod kGroups = g), then the arg-max with torch.max's rule, written by thread 0. Each column's dot
+// product is rescore_dots' whatever the group, so the result does not depend on kGroups (and the
+// rule orders by value, then index, whichever group found a column).
+template <bool kDeepLoads, int kGroups, typename out_t>
 __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row, int count,
-                                            const int* candidates, float (*s_sum)[kWarps],
-                                            out_t* out, int64_t* argmax, out_t* preactivation) {
+                                            const int* candidates,
+                                            RescoreScratch<kGroups>& scratch, out_t* out,
+                                            int64_t* argmax, out_t* preactivation) {
+  // (One group: the CTA is kThreads threads, which the compiler cannot know from threadIdx.)
+  const int group = kGroups == 1 ? 0 : static_cast<int>(threadIdx.x) / kThreads;
+  const int thread = kGroups == 1 ? static_cast<int>(threadIdx.x)
+                                  : static_cast<int>(threadIdx.x) % kThreads;
   const float4* x_row = reinterpret_cast<const float4*>(p.x + row * p.ldx);
   const int64_t columns = count < 0 ? p.n : count;
+  // This group's share: candidates group, group + kGroups, ...
+  const int64_t mine = columns > group ? (columns - group + kGroups - 1) / kGroups : 0;
   Candidate best{-INFINITY, p.n, 0.f};
-  for (int64_t j0 = 0; j0 < columns; j0 += kGroup) {
-    const int group = static_cast<int>(columns - j0 < kGroup ? columns - j0 : kGroup);
+  for (int64_t j0 = 0; j0 < mine; j0 += kGroup) {
+    const int size = static_cast<int>(mine - j0 < kGroup ? mine - j0 : kGroup);
     int64_t cols[kGroup];
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
-      const int64_t j = j0 + (g < group ? g : 0);  // past the group: never read
+      const int64_t j = group + kGroups * (j0 + (g < size ? g : 0));  // past `size`: never read
       cols[g] = count < 0 ? j : candidates[j];
     }
     float dots[kGroup];
-    switch (group) {
-      case 1: rescore_dots<1, kDeepLoads>(p, x_row, cols, dots, s_sum); break;
-      case 2: rescore_dots<2, kDeepLoads>(p, x_row, cols, dots, s_sum); break;
-      case 3: rescore_dots<3, kDeepLoads>(p, x_row, cols, dots, s_sum); break;
-      default: rescore_dots<kGroup, kDeepLoads>(p, x_row, cols, dots, s_sum); break;
+    auto dots_of = [&](auto columns) {
+      rescore_dots<decltype(columns)::value, kDeepLoads, kGroups>(
+          p, x_row, cols, dots, scratch.sum[group], thread, group);
+    };
+    switch (size) {
+      case 1: dots_of(std::integral_constant<int, 1>{}); break;
+      case 2: dots_of(std::integral_constant<int, 2>{}); break;
+      case 3: dots_of(std::integral_constant<int, 3>{}); break;
+      default: dots_of(std::integral_constant<int, kGroup>{}); break;
     }
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
-      if (g >= group) break;
+      if (g >= size) break;
       const float z = p.bias != nullptr ? dots[g] + __ldg(p.bias + cols[g]) : dots[g];
       const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
       best.take_if_better(Candidate{v, cols[g], z});
+    }
+  }
+  if constexpr (kGroups > 1) {
+    if (thread == 0) scratch.best[group] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int g = 1; g < kGroups; ++g) best.take_if_better(scratch.best[g]);
     }
   }
   if (threadIdx.x == 0) {
@@ -790,38 +845,46 @@ __global__ void __launch_bounds__(kThreads, 4)
     rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
                    out_t* __restrict__ preactivation) {
   wait_for_previous_grid();  // the selection's writes
-  __shared__ float s_sum[kGroup][kWarps];
+  __shared__ RescoreScratch<1> scratch;
   const int64_t row = p.rescore_rows[blockIdx.x];
-  rescore_row<false>(p, row, p.rescore_counts[blockIdx.x], p.candidates + row * kMaxCandidates,
-                     s_sum, out, argmax, preactivation);
+  rescore_row<false, 1>(p, row, p.rescore_counts[blockIdx.x],
+                        p.candidates + row * kMaxCandidates, scratch, out, argmax, preactivation);
 }
 
 // Splits of pass 1 that select_rescore_kernel sums, at most: the rows it serves are few (at most
 // one per SM), so pass 1 fills the GPU by splitting K finely, and a thread loads each column's
 // partials of every split at once (load_split_partials: 32 registers, one column per thread).
 constexpr int kFusedMaxSplits = 32;
+// select_rescore_kernel's CTA: two rescoring groups of kThreads.
+constexpr int kFusedGroups = 2;
+constexpr int kFusedThreads = kFusedGroups * kThreads;
 
-// The selection and the rescoring of a row by one CTA (kThreads threads), for batches of at most
-// one row per SM (forward.cu's fused_rows): the two kernels' CTAs for a row, with the candidates
-// handed over in shared memory instead of global memory and a launch. Each kernel alone at B = 128
-// (K = 8192, N = 512, H200) spends most of its time on one CTA per SM's latency chain (selection
-// ~4 us, rescoring ~7 us own: NOTES); here the rescoring's chain starts as soon as its row is
-// selected, while other rows are still being selected. Same arithmetic per row as the two kernels
-// (select_row, rescore_row), so the same results, and p.count[row] as the selection writes it.
+// The selection and the rescoring of a row by one CTA, for batches of at most one row per SM
+// (forward.cu's certified_fused_rows): the two kernels' CTAs for a row, with the candidates handed
+// over in shared memory instead of global memory and a launch. Alone, each kernel at B = 128 (K =
+// 8192, N = 512, H200) spends its time on one CTA per SM's chain of round trips to L2 (selection
+// ~4 us, rescoring ~7 own); a first fused form with 256 threads took 12.3-12.9 us for both
+// (Nsight Compute: 13.5 cycles per issued instruction at 8 warps per SM, 23% of the samples on
+// the x norms and the barrier after them, 38% on two rounds of 32 split loads per thread; NOTES).
+// So here 512 threads: one column per thread at N = 512 (every split load of the row in one round
+// trip), the x norms taken by every warp while its loads are in flight (select_row's
+// kNormsPerWarp), and two candidates rescored at once (rescore_row's groups). Same arithmetic per
+// column as the two kernels, so the same results, and p.count[row] as the selection writes it.
 template <int kSplitBound>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kFusedThreads, 1)
     select_rescore_kernel(const SelectParams p, const RescoreParams r, float* __restrict__ out,
                           int64_t* __restrict__ argmax, float* __restrict__ preactivation) {
   wait_for_previous_grid();
   extern __shared__ float s_upper[];  // [n]
-  __shared__ SelectScratch<kWarps> scratch;
+  __shared__ SelectScratch<kFusedThreads / 32> select_scratch;
   __shared__ int s_candidates[kMaxCandidates];
-  __shared__ float s_sum[kGroup][kWarps];
+  __shared__ RescoreScratch<kFusedGroups> rescore_scratch;
   const int64_t row = blockIdx.x;
-  const int count =
-      select_row<kSplitBound, 1, kThreads, 2>(p, row, s_upper, scratch, s_candidates);
+  const int count = select_row<kSplitBound, 1, kFusedThreads, true>(p, row, s_upper,
+                                                                    select_scratch, s_candidates);
   if (threadIdx.x == 0) p.count[row] = count;
-  rescore_row<true>(r, row, count, s_candidates, s_sum, out, argmax, preactivation);
+  rescore_row<true, kFusedGroups>(r, row, count, s_candidates, rescore_scratch, out, argmax,
+                                  preactivation);
 }
 
 // Calls f(kernel) for each selection instance: select_candidates_kernel at split bounds 1, 2, 4,
