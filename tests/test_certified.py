@@ -1,6 +1,7 @@
 """The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch =
-513 rows, 257 with a prepared weight, on weights large enough (see the test of the switch below);
-FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies):
+513 rows, 257 with a prepared weight, and with one also from 33 rows to one row per SM, on weights
+large enough (see the tests of the switch below); FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it
+applies):
 a single-pass GEMM on scaled fp16 copies of the rows with a proven error bound, then float32
 rescoring of the columns that may still hold each row's maximum.
 
@@ -362,6 +363,28 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
 def test_the_default_takes_the_certified_path_from_its_batch_and_weight_size(
     prepared, batch, pooled, in_features, takes_certified, certified, monkeypatch
 ):
+    _check_default_path(prepared, batch, pooled, in_features, takes_certified, monkeypatch)
+
+
+# With a prepared weight, also from kCertifiedFusedMinBatch = 33 rows to one row per SM (the fused
+# rows: certified_fused_rows), for weights of N >= 512 rows and N x K >= 2^22 floats
+# (kCertifiedFusedMinWeightFloats); never without one below 513 rows.
+@pytest.mark.parametrize(
+    "pooled,in_features,large_enough",
+    [(512, 8192, True), (1024, 4096, True), (512, 8188, False), (256, 16384, False)],
+)
+@pytest.mark.parametrize("rows", ["33", "SMs", "SMs + 1"])
+@pytest.mark.parametrize("prepared", [True, False])
+def test_the_default_takes_the_fused_rows_with_a_prepared_weight(
+    rows, prepared, pooled, in_features, large_enough, certified, monkeypatch
+):
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    batch = {"33": 33, "SMs": sms, "SMs + 1": sms + 1}[rows]
+    takes_certified = prepared and large_enough and batch <= sms
+    _check_default_path(prepared, batch, pooled, in_features, takes_certified, monkeypatch)
+
+
+def _check_default_path(prepared, batch, pooled, in_features, takes_certified, monkeypatch):
     x = torch.rand(batch, in_features, device=DEVICE)
     weight = torch.randn(pooled, in_features, device=DEVICE) * 0.02
     bias = torch.randn(pooled, device=DEVICE)

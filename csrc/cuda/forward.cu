@@ -12,14 +12,16 @@
 //      (value, index, z) maximum; a CTA per row (256 threads, 1024 for wide rows with few splits)
 //      while B is small, a warp per row from 8192 rows, and on sm_90+ the GEMM's programmatic
 //      dependent, its CTAs spread over the SMs (kMaxSpreadCtasPerSm).
-// On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight) for
-// weights large enough (kCertifiedMinColumns and the constants after it; use_certified), the
-// certified path replaces both: a scaled fp16 copy of the weight rows with their norms
-// (prepared_weight.h; skipped when the caller passes prepare_weight's), a single-pass fp16 GEMM
-// that converts x as it goes (forward_gemm_sm90.cuh's certified_pass1_kernel), a selection of the
-// columns that may hold the row's maximum by a proven error bound (with x's norms from pass 1's
-// split sums; pass 1's programmatic dependent, spread over the SMs like the epilogue), and a
-// float32 rescoring of those (forward_certified.cuh): three or four launches,
+// On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight, and
+// with one also from kCertifiedFusedMinBatch to one row per SM) for weights large enough
+// (kCertifiedMinColumns and the constants after it; use_certified), the certified path replaces
+// both: a scaled fp16 copy of the weight rows with their norms (prepared_weight.h; skipped when
+// the caller passes prepare_weight's), a single-pass fp16 GEMM that converts x as it goes
+// (forward_gemm_sm90.cuh's certified_pass1_kernel), a selection of the columns that may hold the
+// row's maximum by a proven error bound (with x's norms from pass 1's split sums; pass 1's
+// programmatic dependent, spread over the SMs like the epilogue), and a float32 rescoring of
+// those (forward_certified.cuh; one kernel with the selection where the rows fit on the SMs at
+// once, certified_fused_rows): two to four launches,
 // the same results as the 3xTF32 path's to float32 rounding, with the same tie and NaN rules, and
 // the same bits with or without a prepared weight.
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
@@ -160,6 +162,20 @@ constexpr int64_t kCertifiedMinWeightFloats = int64_t{1} << 21;
 constexpr int64_t kCertifiedLargeWorkMinColumns = 256;
 constexpr int64_t kCertifiedLargeWorkMinWeightFloats = int64_t{1} << 19;
 constexpr int64_t kCertifiedMinWork = int64_t{1} << 31;
+// With a prepared weight the certified path also serves the batches of at most one row per SM
+// (certified_fused_rows: pass 1 on 128-wide tiles, select_rescore_kernel) from
+// kCertifiedFusedMinBatch rows, on weights of N >= kCertifiedMinColumns rows and N x K >=
+// kCertifiedFusedMinWeightFloats floats. H200 medians (profile_forward.py --prepared yes,
+// 2026-11-30 23:23-23:27 UTC), certified against 3xTF32, N x K at B = 33 / 64 / 128 / 132: 512 x
+// 8192 19.7-20.2 / 19.6-20.5 / 20.7-21.7 / 20.6-21.7 against 20.1-20.9 / 20.9-21.1 / 21.7-22.8 /
+// 30.2-30.3 (two rounds); 512 x 16384 24.6 / 25.9 / 27.6 / 29.5 against 30.1 / 30.4 / 32.2 / 48.6;
+// 1024 x 8192 23.6 / 23.0 / 23.6 / 30.0 against 32.0 / 32.1 / 33.9 / 47.6; 1024 x 4096 19.8 /
+// 20.2 / 20.6 / 21.6 against 22.7 / 23.1 / 24.8 / 29.6; 2048 x 8192 32.3 / 30.2 / 31.2 / 46.8
+// against 48.8 / 49.2 / 51.0 / 84.4; but at 2^21 floats, 512 x 4096, 18.0 / 18.4 / 18.9 / 18.9
+// against 16.3 / 16.5 / 18.3 / 21.2 (one round each; the 3xTF32 GEMM's 128-row tiles step at 129
+// rows). Below 33 rows the GEMVs serve.
+constexpr int64_t kCertifiedFusedMinBatch = kSimtMaxBatch + 1;
+constexpr int64_t kCertifiedFusedMinWeightFloats = int64_t{1} << 22;
 
 // Batches up to fg::kRowwiseMaxBatch take the row-parallel GEMV (no split-K, so the epilogue reads
 // B x N dot products instead of S x B x N partials) when its CTAs, fg::kRowwiseRows weight rows
@@ -894,6 +910,13 @@ certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain
   return b;
 }
 
+// Whether the certified path serves `batch` rows with 128-wide pass-1 tiles split up to
+// kFusedMaxSplits ways and one CTA per row that selects and rescores it (select_rescore_kernel):
+// where the rows fit on the SMs at once. Larger batches take 256-wide tiles, at most
+// certified::kMaxSplits splits, and the selection and rescoring kernels (the rescoring in heavy-
+// rows-first order over several waves).
+bool certified_fused_rows(const DeviceInfo& info, int64_t batch) { return batch <= info.sms; }
+
 // Where the certified path can run: the wgmma kernels available, float32, a batch the pass-1 grid
 // serves in one launch and one workspace slice, N <= kMaxSelectColumns (the selection's shared
 // memory), a finite non-zero scale, and K <= 2^20 (the bound's gamma terms stay far below 1).
@@ -912,11 +935,16 @@ bool use_certified(const DeviceInfo& info, const at::Tensor& x, const at::Tensor
   const int64_t min_batch = prepared ? kCertifiedPreparedMinBatch : kCertifiedMinBatch;
   // B x N x K compared as N x K against the work over B: the product may not fit in 64 bits.
   const int64_t weight_floats = n * k_padded;
+  const bool fused_rows_pay = prepared && batch >= kCertifiedFusedMinBatch &&
+                              certified_fused_rows(info, batch) && n >= kCertifiedMinColumns &&
+                              weight_floats >= kCertifiedFusedMinWeightFloats;
   const bool pays =
-      batch >= min_batch &&
-      ((n >= kCertifiedMinColumns && weight_floats >= kCertifiedMinWeightFloats) ||
-       (n >= kCertifiedLargeWorkMinColumns && weight_floats >= kCertifiedLargeWorkMinWeightFloats &&
-        weight_floats >= ceil_div(kCertifiedMinWork, batch)));
+      fused_rows_pay ||
+      (batch >= min_batch &&
+       ((n >= kCertifiedMinColumns && weight_floats >= kCertifiedMinWeightFloats) ||
+        (n >= kCertifiedLargeWorkMinColumns &&
+         weight_floats >= kCertifiedLargeWorkMinWeightFloats &&
+         weight_floats >= ceil_div(kCertifiedMinWork, batch))));
   return mode != CertifiedMode::kNever && (mode == CertifiedMode::kAlways || pays) &&
          certified_applies(info, x, weight, batch, n, k_padded, scale);
 }
@@ -1015,13 +1043,6 @@ void launch_prepare(const Operand& w, int64_t n, int64_t k_padded, uint8_t* prep
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
-// Whether the certified path serves `batch` rows with 128-wide pass-1 tiles split up to
-// kFusedMaxSplits ways and one CTA per row that selects and rescores it (select_rescore_kernel):
-// where the rows fit on the SMs at once. Larger batches take 256-wide tiles, at most
-// certified::kMaxSplits splits, and the selection and rescoring kernels (the rescoring in heavy-
-// rows-first order over several waves).
-bool certified_fused_rows(const DeviceInfo& info, int64_t batch) { return batch <= info.sms; }
 
 struct CertifiedOutputs {
   float* out;
