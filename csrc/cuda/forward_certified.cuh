@@ -564,19 +564,6 @@ inline int select_columns_per_thread(int64_t batch, int64_t n, int sms) {
   return n % 4 == 0 && batch <= int64_t{select_blocks_per_sm(4)} * sms ? 4 : 1;
 }
 
-// One CTA per row, with every load it needs in flight together: the first version (a serial chain
-// of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
-// per row with batched loads left too few warps to hide the latency (65 us). Here warp 0 first
-// takes the row's x norms (x_row_norms; a kernel of their own cost a launch), passed on through
-// shared memory before the column loop, so that none of that code's registers are live in it. Then
-// the CTA computes each column's interval once (its S split partials loaded at once, the weight's
-// norms from prepare_rows_kernel), keeping its upper end in shared memory, and takes the block max
-// of the lower ends. Each candidate takes its slot in the row's list from a shared counter: the
-// list's order depends on the warps' timing, its contents and count do not, and neither do the
-// rescoring's results (rescore_kernel: every column's arithmetic is the same in any slot, and the
-// arg-max rule orders by value, then index). 40 registers with one column per thread, 64 with four
-// (at 8 splits), no spill. The square roots' slow path (arguments below 2^-101: zero and tiny rows;
-// Inf, NaN) is a call, in warp 0 only.
 // Shared memory of select_row, the candidates' upper ends aside (dynamic: [n] floats).
 template <int kCtaWarps>
 struct SelectScratch {
@@ -661,6 +648,19 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
   return whole_row || count > kMaxCandidates ? -1 : count;
 }
 
+// One CTA per row, with every load it needs in flight together: the first version (a serial chain
+// of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
+// per row with batched loads left too few warps to hide the latency (65 us). Here warp 0 first
+// takes the row's x norms (x_row_norms; a kernel of their own cost a launch), passed on through
+// shared memory before the column loop, so that none of that code's registers are live in it. Then
+// the CTA computes each column's interval once (its S split partials loaded at once, the weight's
+// norms from prepare_rows_kernel), keeping its upper end in shared memory, and takes the block max
+// of the lower ends. Each candidate takes its slot in the row's list from a shared counter: the
+// list's order depends on the warps' timing, its contents and count do not, and neither do the
+// rescoring's results (rescore_kernel: every column's arithmetic is the same in any slot, and the
+// arg-max rule orders by value, then index). 40 registers with one column per thread, 64 with four
+// (at 8 splits), no spill. The square roots' slow path (arguments below 2^-101: zero and tiny rows;
+// Inf, NaN) is a call, in warp 0 only.
 template <int kSplitBound, int kColumnsPerThread>
 __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsPerThread))
     select_candidates_kernel(const SelectParams p) {
