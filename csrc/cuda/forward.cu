@@ -1050,11 +1050,58 @@ struct CertifiedOutputs {
   float* preactivation;
 };
 
-void certified_rescore(const Operand& x, const Operand& w, const float* bias, float scale,
-                       int64_t batch, int64_t n, int64_t k_padded, const Selection& selection,
-                       const CertifiedOutputs& outputs, bool fused,
-                       const certified::SelectParams& select, const DeviceInfo& info,
-                       cudaStream_t stream);
+// The selection and the rescoring after pass 1: select_rescore_kernel where `fused`, else
+// select_candidates_kernel and rescore_kernel.
+void launch_selection_and_rescoring(const Operand& x, const Operand& w, const float* bias,
+                                    float scale, int64_t batch, int64_t n, int64_t k_padded,
+                                    const Selection& selection, const CertifiedOutputs& outputs,
+                                    bool fused, const certified::SelectParams& select,
+                                    const DeviceInfo& info, cudaStream_t stream) {
+  certified::RescoreParams rescore{};
+  rescore.x = x.data;
+  rescore.ldx = x.ld;
+  rescore.w = w.data;
+  rescore.ldw = w.ld;
+  rescore.k4 = k_padded / 4;
+  rescore.bias = bias;
+  rescore.scale = scale;
+  rescore.batch = batch;
+  rescore.n = n;
+  rescore.candidates = selection.candidates();
+  rescore.rescore_rows = selection.rescore_rows();
+  rescore.rescore_counts = selection.rescore_counts();
+  cudaLaunchAttribute attribute{};
+  if (fused) {
+    cudaLaunchConfig_t config =
+        dependent_launch_config(batch, certified::kFusedThreads, stream, attribute);
+    // Spread like the selection: as pass 1's dependent its CTAs would otherwise pile onto the
+    // few SMs pass 1 leaves free (the 256-thread form at B = 128: 13.3 -> 12.9 us own).
+    config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
+    dispatch_split_bound<certified::kFusedMaxSplits>(select.splits, [&](auto split_bound) {
+      C10_CUDA_CHECK(cudaLaunchKernelEx(
+          &config, certified::select_rescore_kernel<decltype(split_bound)::value>, select,
+          rescore, outputs.out, outputs.argmax, outputs.preactivation));
+    });
+    return;
+  }
+  cudaLaunchConfig_t select_config =
+      dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
+  select_config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
+  const int columns_per_thread = certified::select_columns_per_thread(batch, n, info.sms);
+  dispatch_split_bound<certified::kMaxSplits>(select.splits, [&](auto split_bound) {
+    constexpr int kSplitBound = decltype(split_bound)::value;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(
+        &select_config,
+        columns_per_thread == 1 ? certified::select_candidates_kernel<kSplitBound, 1>
+                                : certified::select_candidates_kernel<kSplitBound, 4>,
+        select));
+  });
+  cudaLaunchAttribute rescore_attribute{};
+  const cudaLaunchConfig_t config =
+      dependent_launch_config(batch, certified::kThreads, stream, rescore_attribute);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel<float>, rescore,
+                                    outputs.out, outputs.argmax, outputs.preactivation));
+}
 
 // The certified forward: the weight's prepared copy (prepared_weight.h; made here unless the
 // caller passes one), pass 1 (single-pass fp16 wgmma), then the selection (which takes x's norms
@@ -1157,62 +1204,9 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
   select.rescore_rows = selection.rescore_rows();
   select.rescore_counts = selection.rescore_counts();
   select.rescore_ends = selection.rescore_ends();
-  certified_rescore(x, w, bias, scale, batch, n, k_padded, selection, outputs, fused, select, info,
-                    stream);
+  launch_selection_and_rescoring(x, w, bias, scale, batch, n, k_padded, selection, outputs, fused,
+                                 select, info, stream);
   return selection;
-}
-
-// The selection and the rescoring after pass 1: select_rescore_kernel where `fused`, else
-// select_candidates_kernel and rescore_kernel.
-void certified_rescore(const Operand& x, const Operand& w, const float* bias, float scale,
-                       int64_t batch, int64_t n, int64_t k_padded, const Selection& selection,
-                       const CertifiedOutputs& outputs, bool fused,
-                       const certified::SelectParams& select, const DeviceInfo& info,
-                       cudaStream_t stream) {
-  certified::RescoreParams rescore{};
-  rescore.x = x.data;
-  rescore.ldx = x.ld;
-  rescore.w = w.data;
-  rescore.ldw = w.ld;
-  rescore.k4 = k_padded / 4;
-  rescore.bias = bias;
-  rescore.scale = scale;
-  rescore.batch = batch;
-  rescore.n = n;
-  rescore.candidates = selection.candidates();
-  rescore.rescore_rows = selection.rescore_rows();
-  rescore.rescore_counts = selection.rescore_counts();
-  cudaLaunchAttribute attribute{};
-  if (fused) {
-    cudaLaunchConfig_t config =
-        dependent_launch_config(batch, certified::kFusedThreads, stream, attribute);
-    // Spread like the selection: as pass 1's dependent its CTAs would otherwise pile onto the
-    // few SMs pass 1 leaves free (B = 128: 13.3 us of own time).
-    config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
-    dispatch_split_bound<certified::kFusedMaxSplits>(select.splits, [&](auto split_bound) {
-      C10_CUDA_CHECK(cudaLaunchKernelEx(
-          &config, certified::select_rescore_kernel<decltype(split_bound)::value>, select,
-          rescore, outputs.out, outputs.argmax, outputs.preactivation));
-    });
-    return;
-  }
-  cudaLaunchConfig_t select_config =
-      dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
-  select_config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
-  const int columns_per_thread = certified::select_columns_per_thread(batch, n, info.sms);
-  dispatch_split_bound<certified::kMaxSplits>(select.splits, [&](auto split_bound) {
-    constexpr int kSplitBound = decltype(split_bound)::value;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(
-        &select_config,
-        columns_per_thread == 1 ? certified::select_candidates_kernel<kSplitBound, 1>
-                                : certified::select_candidates_kernel<kSplitBound, 4>,
-        select));
-  });
-  cudaLaunchAttribute rescore_attribute{};
-  const cudaLaunchConfig_t config =
-      dependent_launch_config(batch, certified::kThreads, stream, rescore_attribute);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel<float>, rescore,
-                                    outputs.out, outputs.argmax, outputs.preactivation));
 }
 
 template <typename out_t>
