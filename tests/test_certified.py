@@ -102,17 +102,16 @@ def test_certified_forward_matches_float64(
 def test_fused_rows_give_the_bits_of_the_two_kernel_path(
     in_features, pooled, certified, make_inputs
 ):
-    # 200 rows take the 256-wide pass 1 and the two kernels, their first 100 (at most one per SM
-    # on any GPU with 100 SMs or more) the 128-wide pass 1 and the fused kernel: other splits,
-    # other pass-1 sums and other candidates, but each row's rescoring is the same float32
-    # arithmetic, so every output must be the same bits.
-    if torch.cuda.get_device_properties(DEVICE).multi_processor_count < 100:
-        pytest.skip("100 rows are more than one per SM here")
-    x, weight, bias = make_inputs(200, in_features, pooled, torch.float32, DEVICE)
+    # One row more than the SMs takes the 256-wide pass 1 and the two kernels, one row per SM the
+    # 128-wide pass 1 and the fused kernel (certified_fused_rows): other splits, other pass-1 sums
+    # and other candidates, but each row's rescoring is the same float32 arithmetic, so every
+    # output must be the same bits.
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    x, weight, bias = make_inputs(sms + 1, in_features, pooled, torch.float32, DEVICE)
     two_kernels = _OPS.forward_with_argmax(x, weight, bias, 2.0)
-    fused = _OPS.forward_with_argmax(x[:100], weight, bias, 2.0)
+    fused = _OPS.forward_with_argmax(x[:sms], weight, bias, 2.0)
     for a, b in zip(fused, two_kernels):
-        torch.testing.assert_close(a, b[:100], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(a, b[:sms], rtol=0, atol=0, equal_nan=True)
 
 
 def test_certified_forward_is_bitwise_deterministic(certified, make_inputs):
