@@ -34,12 +34,13 @@ def prepare_weight(weight: Tensor) -> Tensor:
     ``weight`` scaled by a power of two and rounded to fp16 (128-byte rows), then per row its
     scale and two norms as float32 (layout in csrc/prepared_weight.h). Pass it as
     ``prepared_weight`` to :func:`forward` with the same ``weight``: the forward's float32-exact
-    certified path (sm_90a, from 513 rows, or 257 with a prepared weight, on weights large enough:
-    README, ``FUSED_POOL_GELU_CERTIFIED``) then skips making this copy on every call (~8-10 us at K
-    = 8192, N = 512 on an H200). Results are the same bits with or without it where both calls take
-    the same path; where the copy moves the call onto the certified path (from 257 to 512 rows), the
-    one without it takes the 3xTF32 GEMM, both float32-accurate but rounded in different orders (the
-    last bits of ``out`` can differ). It is tied to ``weight``: once ``weight`` changes in place (an
+    certified path (sm_90a, from 513 rows, or with a prepared weight from 257 and from 33 to one
+    row per SM, on weights large enough: README, ``FUSED_POOL_GELU_CERTIFIED``) then skips making
+    this copy on every call (~8-10 us at K = 8192, N = 512 on an H200). Results are the same bits
+    with or without it where both calls take the same path; where the copy moves the call onto the
+    certified path (from 257 to 512 rows, and from 33 to one row per SM), the one without it takes
+    the 3xTF32 GEMM, both float32-accurate but rounded in different orders (the last bits of
+    ``out`` can differ). It is tied to ``weight``: once ``weight`` changes in place (an
     optimizer step, ``copy_``, ``load_state_dict``), or with another weight tensor, forward raises.
     Not seen: writes through ``.data``, and the origin of a copy of a prepared weight (``clone()``,
     a loaded one), which is trusted to match. The layout belongs to this version of the package (it

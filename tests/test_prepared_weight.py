@@ -2,9 +2,10 @@
 
 The layout is checked against a float64 reading of the weight on every device; the forward with a
 prepared weight must give the same bits as without it where both calls take the same path (not
-from 257 to 512 rows on sm_90a on weights large enough, where only the call with it takes the
-certified path: test_certified.py::
-test_the_default_takes_the_certified_path_from_its_batch_and_weight_size), and must refuse a
+from 257 to 512 rows, nor from 33 to one row per SM, on sm_90a on weights large enough, where only
+the call with it takes the certified path: test_certified.py::
+test_the_default_takes_the_certified_path_from_its_batch_and_weight_size and
+test_the_default_takes_the_fused_rows_with_a_prepared_weight), and must refuse a
 prepared weight that no longer matches its weight. On CUDA the certified path (forced on) is where
 the copy is read.
 """
