@@ -576,10 +576,10 @@ struct SelectScratch {
 // The selection of one row by a CTA of kCtaThreads threads (see select_candidates_kernel): the
 // row's candidates in candidates[0, count) (a row of p.candidates, or shared memory) and count
 // returned to every thread, or -1: rescore every column. kNormsPerWarp: every warp takes the row's
-// x norms itself, after issuing its first columns' split loads, so that the two round trips
-// overlap and no barrier waits for one warp's (select_rescore_kernel, one CTA per SM); else warp 0
-// takes them and hands them over through shared memory, which keeps the column loop's registers
-// free of that code's (the selection kernel's 40-register cap).
+// x norms itself, after issuing its first columns' loads, so that the two round trips overlap and
+// no barrier waits for one warp's (select_rescore_kernel, one CTA per SM); else warp 0 takes them
+// and hands them over through shared memory, which keeps the column loop's registers free of that
+// code's (the selection kernel's 40-register cap).
 template <int kSplitBound, int kColumnsPerThread, int kCtaThreads, bool kNormsPerWarp>
 __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, float* s_upper,
                                           SelectScratch<kCtaThreads / 32>& scratch,
@@ -590,12 +590,22 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
   const int64_t row_index = row * p.n;  // of the row's first partial in each split
   const int64_t first_column = kColumnsPerThread * threadIdx.x;
   float partials[kColumnsPerThread][kSplitBound];
+  Norms w_norms[kColumnsPerThread];
+  float bias[kColumnsPerThread];
+  // Everything a column step reads from global memory, issued together.
+  auto load_step = [&](int64_t first) {
+    load_split_partials<kSplitBound>(p, static_cast<uint32_t>(row_index + first), partials);
+#pragma unroll
+    for (int c = 0; c < kColumnsPerThread; ++c) {
+      w_norms[c] = load_norms(p.w_norms + (first + c) * p.w_norms_stride);
+      bias[c] = p.bias != nullptr ? __ldg(p.bias + first + c) : 0.f;
+    }
+  };
   Norms x_norms;
   if constexpr (kNormsPerWarp) {
-    if (first_column < p.n) {
-      load_split_partials<kSplitBound>(p, static_cast<uint32_t>(row_index + first_column),
-                                       partials);
-    }
+    // The first step's loads (the weight norms and bias too: after the x norms, which wait on
+    // their own loads, they were a round trip of their own) in flight behind the x norms'.
+    if (first_column < p.n) load_step(first_column);
     x_norms = x_row_norms<kSplitBound>(p, row, lane);
     if (threadIdx.x == 0) scratch.count = 0;  // first used after block_max's barrier
   } else {
@@ -613,16 +623,7 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
   float best_lower = -INFINITY;
   bool whole_row = false;
   for (int64_t first = first_column; first < p.n; first += kColumnsPerThread * kCtaThreads) {
-    if (!kNormsPerWarp || first != first_column) {
-      load_split_partials<kSplitBound>(p, static_cast<uint32_t>(row_index + first), partials);
-    }
-    Norms w_norms[kColumnsPerThread];
-    float bias[kColumnsPerThread];
-#pragma unroll
-    for (int c = 0; c < kColumnsPerThread; ++c) {
-      w_norms[c] = load_norms(p.w_norms + (first + c) * p.w_norms_stride);
-      bias[c] = p.bias != nullptr ? __ldg(p.bias + first + c) : 0.f;
-    }
+    if (!kNormsPerWarp || first != first_column) load_step(first);
 #pragma unroll
     for (int c = 0; c < kColumnsPerThread; ++c) {
       float lo = -INFINITY, hi = INFINITY;
