@@ -801,6 +801,16 @@ __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row,
       const int64_t j = group + kGroups * (j0 + (g < size ? g : 0));  // past `size`: never read
       cols[g] = count < 0 ? j : candidates[j];
     }
+    // The columns' biases. With one CTA per SM's registers (kDeepLoads) they are issued before the
+    // rows' loads: after the dot products' barriers they are one more round trip per group. Under
+    // rescore_kernel's 64-register cap ptxas spills them there, and the spill store waits on the
+    // load, a round trip before the rows' loads are issued: so that kernel loads them after.
+    auto load_bias = [&](int g) { return p.bias != nullptr ? __ldg(p.bias + cols[g]) : 0.f; };
+    float early_bias[kGroup];
+    if constexpr (kDeepLoads) {
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) early_bias[g] = load_bias(g);
+    }
     float dots[kGroup];
     auto dots_of = [&](auto columns) {
       rescore_dots<decltype(columns)::value, kDeepLoads, kGroups>(
@@ -815,7 +825,13 @@ __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row,
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       if (g >= size) break;
-      const float z = p.bias != nullptr ? dots[g] + __ldg(p.bias + cols[g]) : dots[g];
+      float bias;
+      if constexpr (kDeepLoads) {
+        bias = early_bias[g];
+      } else {
+        bias = load_bias(g);
+      }
+      const float z = p.bias != nullptr ? dots[g] + bias : dots[g];
       const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
       best.take_if_better(Candidate{v, cols[g], z});
     }
