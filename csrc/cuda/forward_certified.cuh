@@ -497,10 +497,13 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
 // An x row's norms from pass 1's per-split sums, by one warp (lane s: split s), every lane getting
 // the result: each split's sums are in the units of that split's scale 2^e_s, so they are brought
 // to the largest of the row's scales' inverses (the smallest e) by factors 2^(2 (e_min - e_s)) <= 1
-// and added in split order (lane s's term broadcast to the warp), all rounded up (a sum of S terms,
-// outside gamma'); then sqrt(sum + K 2^-148) (1 + gamma' + 2^-22) 2^-e_min, rounded up (see the
-// top). The operations and their order are those of the x-norms kernel this replaced (one thread
-// per row between pass 1 and the selection: 3.1 us at B = 1024 and a launch): the same bits.
+// and added, all rounded up (a sum of S terms, outside gamma'); then sqrt(sum + K 2^-148)
+// (1 + gamma' + 2^-22) 2^-e_min, rounded up (see the top). The terms are added by a butterfly
+// over the warp: the bound needs only an upper bound of their sum, which rounding every addition
+// of non-negative terms up gives in any order, and both lanes of a pair compute the same sum
+// (addition commutes, its rounding too), so every lane ends with the same bits. A sum in split
+// order (lane s's term broadcast, then added) was 32 dependent shuffle-and-add steps per sum:
+// 13% of select_rescore_kernel's stall samples at B = 128 (NOTES, 2026-12-01).
 template <int kSplitBound>
 __device__ __forceinline__ Norms x_row_norms(const SelectParams& p, int64_t row, int lane) {
   static_assert(kSplitBound <= 32, "one lane per split");
@@ -520,14 +523,13 @@ __device__ __forceinline__ Norms x_row_norms(const SelectParams& p, int64_t row,
   }
   // 2^(e_min - e_s) >= 2^-126 is a normal float; applied twice, each product rounded up.
   const float factor = mine ? ldexpf(1.f, smallest - exponent) : 0.f;
-  const float term = __fmul_ru(__fmul_ru(squares, factor), factor);
-  const float residual_term = __fmul_ru(__fmul_ru(residual_squares, factor), factor);
-  float sum = 0.f, residual_sum = 0.f;
+  // Lanes past the last split hold 0, which adds exactly.
+  float sum = __fmul_ru(__fmul_ru(squares, factor), factor);
+  float residual_sum = __fmul_ru(__fmul_ru(residual_squares, factor), factor);
 #pragma unroll
-  for (int s = 0; s < kSplitBound; ++s) {
-    if (s >= p.splits) break;
-    sum = __fadd_ru(sum, __shfl_sync(0xffffffffu, term, s));
-    residual_sum = __fadd_ru(residual_sum, __shfl_sync(0xffffffffu, residual_term, s));
+  for (int mask = 16; mask >= 1; mask /= 2) {
+    sum = __fadd_ru(sum, __shfl_xor_sync(0xffffffffu, sum, mask));
+    residual_sum = __fadd_ru(residual_sum, __shfl_xor_sync(0xffffffffu, residual_sum, mask));
   }
   const float inverse = ldexpf(1.f, -smallest);
   auto norm = [&](float squares_sum) {
@@ -604,8 +606,11 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
   Norms x_norms;
   if constexpr (kNormsPerWarp) {
     // The first step's loads (the weight norms and bias too: after the x norms, which wait on
-    // their own loads, they were a round trip of their own) in flight behind the x norms'.
-    if (first_column < p.n) load_step(first_column);
+    // their own loads, they were a round trip of their own) in flight behind the x norms'. Issued
+    // by every thread (a thread past the row's end re-reads its last columns, never used): under
+    // `if (first_column < p.n)` ptxas converted the bfloat16 partials inside the branch, so it
+    // waited for them before the x norms' loads were issued, a round trip of its own (SASS).
+    load_step(min(first_column, p.n - kColumnsPerThread));
     x_norms = x_row_norms<kSplitBound>(p, row, lane);
     if (threadIdx.x == 0) scratch.count = 0;  // first used after block_max's barrier
   } else {
