@@ -50,6 +50,14 @@ __device__ __forceinline__ void wait_for_previous_grid() {
 #endif
 }
 
+// Asks L2 to fetch [p, p + bytes) (sm_90+: one bulk prefetch; p 16-byte aligned, bytes a multiple
+// of 16), so that loads issued later find the lines there or on their way; elsewhere a no-op.
+__device__ __forceinline__ void prefetch_to_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // A launch of `blocks` x `threads` on `stream`, as a programmatic dependent of the kernel before it
 // when `dependent` (the device supports it: compute capability 9.0 or later). `attribute` must
 // outlive the launch call.

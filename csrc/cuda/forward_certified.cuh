@@ -581,11 +581,13 @@ struct SelectScratch {
 // x norms itself, after issuing its first columns' loads, so that the two round trips overlap and
 // no barrier waits for one warp's (select_rescore_kernel, one CTA per SM); else warp 0 takes them
 // and hands them over through shared memory, which keeps the column loop's registers free of that
-// code's (the selection kernel's 40-register cap).
-template <int kSplitBound, int kColumnsPerThread, int kCtaThreads, bool kNormsPerWarp>
+// code's (the selection kernel's 40-register cap). on_candidate(col) is called for each candidate
+// column as it is found, before the list is complete.
+template <int kSplitBound, int kColumnsPerThread, int kCtaThreads, bool kNormsPerWarp,
+          typename OnCandidate>
 __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, float* s_upper,
-                                          SelectScratch<kCtaThreads / 32>& scratch,
-                                          int* candidates) {
+                                          SelectScratch<kCtaThreads / 32>& scratch, int* candidates,
+                                          OnCandidate&& on_candidate) {
   constexpr int kCtaWarps = kCtaThreads / 32;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -644,6 +646,7 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
   if (!whole_row) {
     for (int64_t col = threadIdx.x; col < p.n; col += kCtaThreads) {
       if (s_upper[col] >= best_lower) {
+        on_candidate(col);
         const int slot = atomicAdd(&scratch.count, 1);
         if (slot < kMaxCandidates) candidates[slot] = static_cast<int>(col);
       }
@@ -675,7 +678,7 @@ __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsP
   __shared__ SelectScratch<kSelectWarps> scratch;
   const int64_t row = blockIdx.x;
   const int result = select_row<kSplitBound, kColumnsPerThread, kSelectThreads, false>(
-      p, row, s_upper, scratch, p.candidates + row * kMaxCandidates);
+      p, row, s_upper, scratch, p.candidates + row * kMaxCandidates, [](int64_t) {});
   if (threadIdx.x == 0) {
     p.count[row] = result;
     // Which CTA rescores the row does not change its result (rescore_kernel's arithmetic is per
@@ -902,8 +905,14 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   __shared__ int s_candidates[kMaxCandidates];
   __shared__ RescoreScratch<kFusedGroups> rescore_scratch;
   const int64_t row = blockIdx.x;
-  const int count = select_row<kSplitBound, 1, kFusedThreads, true>(p, row, s_upper,
-                                                                    select_scratch, s_candidates);
+  // Each candidate's weight row is asked of L2 as soon as the candidate is found: the rescoring's
+  // loads of it wait for the list to be complete (a barrier), and pass 1 read only the weight's
+  // fp16 copy, so the float32 row is in DRAM.
+  const auto prefetch_row = [&](int64_t col) {
+    prefetch_to_l2(r.w + col * r.ldw, static_cast<uint32_t>(r.k4 * sizeof(float4)));
+  };
+  const int count = select_row<kSplitBound, 1, kFusedThreads, true>(
+      p, row, s_upper, select_scratch, s_candidates, prefetch_row);
   if (threadIdx.x == 0) p.count[row] = count;
   rescore_row<true, kFusedGroups>(r, row, count, s_candidates, rescore_scratch, out, argmax,
                                   preactivation);
