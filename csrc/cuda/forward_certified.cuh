@@ -833,12 +833,7 @@ __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row,
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       if (g >= size) break;
-      float bias;
-      if constexpr (kDeepLoads) {
-        bias = early_bias[g];
-      } else {
-        bias = load_bias(g);
-      }
+      const float bias = kDeepLoads ? early_bias[g] : load_bias(g);
       const float z = p.bias != nullptr ? dots[g] + bias : dots[g];
       const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
       best.take_if_better(Candidate{v, cols[g], z});
