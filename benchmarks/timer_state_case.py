@@ -30,6 +30,7 @@ import torch
 import common
 import floors
 import fused_pool_gelu
+from fused_pool_gelu.timing import l2_flush_buffer
 
 
 def main(argv=None):
@@ -47,7 +48,7 @@ def main(argv=None):
         p.error("needs a CUDA GPU: torch.cuda.is_available() is False")
 
     device = torch.device("cuda")
-    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=device)
+    flush = l2_flush_buffer(device)
     if args.what == "forward":
         weight, bias = (t.detach() for t in common.folded_weights(args.K, 16 * args.N, 16))
         prepared_weight = fused_pool_gelu.prepare_weight(weight) if args.prepared else None

@@ -28,13 +28,22 @@ def make_timer(device, warmup_ms: float, rep_ms: float):
     return (lambda fn: _cpu_bench(fn, warmup_ms, rep_ms) * 1e3, "time.perf_counter, median")
 
 
+def l2_flush_buffer(device="cuda"):
+    """The buffer triton.testing.do_bench zeroes before every run (256 MB, as KernelBench does):
+    zeroing it leaves the L2 full of dirty lines. Every timer and profiler here flushes with it,
+    so that they all measure the same state."""
+    import torch
+
+    return torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device=device)
+
+
 def _cuda_event_bench(fn, warmup_ms: float, rep_ms: float) -> float:
     """triton.testing.do_bench's procedure with torch only; returns the median in ms."""
     import torch
 
     fn()
     torch.cuda.synchronize()
-    cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    cache = l2_flush_buffer()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
