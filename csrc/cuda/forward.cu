@@ -204,8 +204,9 @@ constexpr int kSimtMaxCtasPerSm = 4;
 constexpr int64_t kTcMaxSplits = 64;
 // The certified pass 1 plans its splits the same way but keeps at least 8 of its 64-wide K tiles
 // per split, as it was measured (K < 4096 at B >= 257 only: shorter splits there are untried);
-// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 128-wide
-// tiles take 32 splits, 128 CTAs (9.0 us; 2 tiles per split would make 256 CTAs, two waves).
+// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 64 x 128
+// tiles take 16 splits, 128 CTAs (4 tiles per split would make 256 CTAs, two waves; the 128 x 128
+// tiles before took 32 splits, 9.0 us).
 constexpr int64_t kPass1MinKTilesPerSplit = 8;
 constexpr int64_t kPass1FusedMinKTilesPerSplit = 4;
 constexpr int64_t kTcMaxSplitWaves = 4;
