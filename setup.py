@@ -146,7 +146,7 @@ def _extension():
         f"--threads={os.environ.get('NVCC_THREADS', '2')}",
         "-Xptxas=-warn-spills",
     ]
-    # DEBUG: device debug info without device optimisation (cuda-gdb, compute-sanitizer line numbers).
+    # DEBUG: device debug info without device optimisation (cuda-gdb, compute-sanitizer lines).
     nvcc_flags += ["-g", "-G"] if debug else ["-lineinfo"]
     sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cuda").glob("*.cu"))]
     return CUDAExtension(

@@ -1,8 +1,9 @@
 """Forward (inference) benchmark: every impl in one process, under torch.no_grad().
 
-    python benchmarks/bench_forward.py                      # H200: B in {1,16,128,1024,4096}, K=O=8192
-    python benchmarks/bench_forward.py --skip-compile       # no torch.compile peers (fast)
-    python benchmarks/bench_forward.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile --out /tmp/r.json
+    python benchmarks/bench_forward.py                 # H200: B in {1,16,128,1024,4096}, K=O=8192
+    python benchmarks/bench_forward.py --skip-compile  # no torch.compile peers (fast)
+    python benchmarks/bench_forward.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile
+    python benchmarks/bench_forward.py --out rows.json # the rows as JSON too
 
 Impls (weights from torch.manual_seed(seed); Model(K, O, k, s), the same for all):
   ref_eager     Model (nn.Linear -> AvgPool1d -> gelu -> * s -> max)
@@ -140,7 +141,9 @@ def measure(ctx, fn, x, ref, time_us):
     common.synchronize(ctx.device)
     row = common.error_metrics(out, ref["out64"])
     tol = common.ALLCLOSE_TOL[ctx.args.dtype]
-    row["allclose_ref"] = bool(torch.allclose(out.to(ref["out_ref"].dtype), ref["out_ref"], atol=tol, rtol=tol))
+    row["allclose_ref"] = bool(
+        torch.allclose(out.to(ref["out_ref"].dtype), ref["out_ref"], atol=tol, rtol=tol)
+    )
     del out
     if ctx.device.type == "cuda":
         # What one call allocates on top of what is resident (inputs, weights, caches): the
@@ -149,7 +152,8 @@ def measure(ctx, fn, x, ref, time_us):
         torch.cuda.reset_peak_memory_stats(ctx.device)
         fn(x)
         torch.cuda.synchronize(ctx.device)
-        row["call_mem_mb"] = round((torch.cuda.max_memory_allocated(ctx.device) - before) / 2**20, 1)
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+        row["call_mem_mb"] = round((peak - before) / 2**20, 1)
     row["median_us"] = time_us(lambda: fn(x))
     row["first_call_s"] = round(first_call_s, 3)
     return row

@@ -235,7 +235,11 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
                     mark, any_inexact = "*", True
                 cells.append(_fmt_us(r["median_us"]) + mark)
         if ours and peers:
-            cands = [index[(p, b)] for p in peers if (p, b) in index and is_accurate(index[(p, b)], threshold)]
+            cands = [
+                index[(p, b)]
+                for p in peers
+                if (p, b) in index and is_accurate(index[(p, b)], threshold)
+            ]
             best = min(cands, key=lambda r: r["median_us"]) if cands else None
             cells.append(f"{_fmt_us(best['median_us'])} ({best['impl']})" if best else "-")
             for impl in ours:
@@ -463,12 +467,14 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     p.add_argument("--skip-compile", action="store_true",
                    help="leave out the torch.compile peers (" + ", ".join(COMPILED) + ")")
     p.add_argument("--compile-mode", default=None,
-                   help='torch.compile mode for the compile peers (e.g. "max-autotune-no-cudagraphs")')
+                   help="torch.compile mode for the compile peers "
+                        '(e.g. "max-autotune-no-cudagraphs")')
     p.add_argument("--compile-dynamic", action="store_true",
                    help="compile once with a dynamic batch dim (default: dynamic=False, one "
                         "static compile per B, reusing one torch.compile object per impl)")
     p.add_argument("--warmup", type=float, default=100.0, help="warm-up time per measurement (ms)")
-    p.add_argument("--rep", type=float, default=500.0, help="timed repetition time per measurement (ms)")
+    p.add_argument("--rep", type=float, default=500.0,
+                   help="timed repetition time per measurement (ms)")
     p.add_argument("--seed", type=int, default=0,
                    help="weights: torch.manual_seed(seed); x for batch B: torch.rand with seed + B")
     p.add_argument("--deadline-s", type=float, default=default_deadline_s,
@@ -509,7 +515,8 @@ class Context:
         self.args = args
         self.device = device
         self.dtype = torch_dtype(args.dtype)
-        self.K, self.O, self.k, self.scale = args.in_features, args.out_features, args.pool, args.scale
+        self.K, self.O = args.in_features, args.out_features
+        self.k, self.scale = args.pool, args.scale
         self.N = self.O // self.k
         torch.manual_seed(args.seed)
         # Built on the CPU exactly like the tests' Model(*args) after manual_seed, then moved.
@@ -675,7 +682,8 @@ def run_benchmark(
             continue
         for b in args.batches:
             if args.deadline_s and time.perf_counter() - start > args.deadline_s:
-                log(f"{impl} B={b}: skipped (past --deadline-s {args.deadline_s:g}; not saved)", start)
+                log(f"{impl} B={b}: skipped (past --deadline-s {args.deadline_s:g}; not saved)",
+                    start)
                 continue
             x, ref = cases[b]
             row = dict(impl=impl, mode=mode, B=b, **shape, date=run_id, run_id=run_id)
@@ -706,7 +714,8 @@ def run_benchmark(
     if out_path is not None:
         log(f"results merged into {out_path}", start)
     if failures:
-        log(f"WARNING: {failures} impl/batch measurement(s) failed; see the error rows above", start)
+        log(f"WARNING: {failures} impl/batch measurement(s) failed; see the error rows above",
+            start)
     log("done", start)
     return 0
 

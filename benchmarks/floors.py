@@ -133,7 +133,8 @@ def main(argv=None):
     print("one read's own device time (after the same flush), us, by MB and programs per SM:")
     print(f"{'MB':>5} " + " ".join(f"{per_sm:>7d}" for per_sm in args.programs_per_sm))
     for mb in args.own_mb:
-        print(f"{mb:5d} " + " ".join(f"{own[(mb, per_sm)]:7.2f}" for per_sm in args.programs_per_sm))
+        cells = " ".join(f"{own[(mb, per_sm)]:7.2f}" for per_sm in args.programs_per_sm)
+        print(f"{mb:5d} {cells}")
     print(f"{'B':>5} {'ours forward':>13} {'cuBLAS fp32':>12} {'cuBLAS bf16':>12}  (us)")
     for row in rows:
         print(f"{row['B']:5d} {row['ours_forward_us']:13.2f} {row['cublas_fp32_us']:12.2f} "

@@ -1,6 +1,6 @@
-"""Where the forward's time goes: device time per kernel (torch.profiler), L2 flushed before each call.
+"""Where the forward's time goes: device time per kernel (torch.profiler), L2 flushed per call.
 
-    python benchmarks/profile_forward.py                       # B in {1, 16, 32, 64, 128, 1024, 4096}
+    python benchmarks/profile_forward.py                # B in {1, 16, 32, 64, 128, 1024, 4096}
     python benchmarks/profile_forward.py --batches 1024 --out /tmp/profile.json
     python benchmarks/profile_forward.py --paths certified --prepared both --batches 1024 4096
     python benchmarks/profile_forward.py --paths 3xtf32 --batches 513 --shapes 1024x512 8192x128

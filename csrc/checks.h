@@ -90,8 +90,10 @@ inline void check_fold_backward_inputs(const at::Tensor& grad_pooled_weight,
   TORCH_CHECK(grad_pooled_bias.dim() == 1 && grad_pooled_bias.size(0) == grad_pooled_weight.size(0),
               "fused_pool_gelu.fold_backward: grad_pooled_bias must be 1-D [pooled_features] = [",
               grad_pooled_weight.size(0), "], got shape ", grad_pooled_bias.sizes());
-  check_same_device(op, "grad_pooled_bias", grad_pooled_bias, "grad_pooled_weight", grad_pooled_weight);
-  check_same_dtype(op, "grad_pooled_bias", grad_pooled_bias, "grad_pooled_weight", grad_pooled_weight);
+  check_same_device(op, "grad_pooled_bias", grad_pooled_bias, "grad_pooled_weight",
+                    grad_pooled_weight);
+  check_same_dtype(op, "grad_pooled_bias", grad_pooled_bias, "grad_pooled_weight",
+                   grad_pooled_weight);
 }
 
 // forward_with_argmax(x [B, K], weight [N, K], bias [N] or None, scale).

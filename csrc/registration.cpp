@@ -49,15 +49,17 @@ static at::Tensor prepare_weight_autograd(const at::Tensor& weight) {
 
 TORCH_LIBRARY(fused_pool_gelu, m) {
   // Average-pool groups of k rows of a Linear's weight and bias (AvgPool1d floor: the O % k tail
-  // rows are dropped): returns (pooled_weight [O//k, K], pooled_bias [O//k], zeros if bias is None).
+  // rows are dropped): returns (pooled_weight [O//k, K], pooled_bias [O//k], zeros if bias is
+  // None).
   m.def("fold(Tensor weight, Tensor? bias, int pool_kernel_size) -> (Tensor, Tensor)");
-  // Adjoint of fold: grad_weight[n*k + r] = grad_pooled_weight[n] / k, tail rows zero; same for bias.
+  // Adjoint of fold: grad_weight[n*k + r] = grad_pooled_weight[n] / k, tail rows zero; same for
+  // bias.
   m.def(
       "fold_backward(Tensor grad_pooled_weight, Tensor grad_pooled_bias, int out_features, "
       "int pool_kernel_size) -> (Tensor, Tensor)");
-  // out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n]) over the pooled weight [N, K] (exact erf
-  // GELU, torch.max semantics: first index on ties, NaN wins). Also returns the arg-max n and the
-  // pre-activation x[b] . weight[n] + bias[n] there, which is all the backward needs.
+  // out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n]) over the pooled weight [N, K] (exact
+  // erf GELU, torch.max semantics: first index on ties, NaN wins). Also returns the arg-max n and
+  // the pre-activation x[b] . weight[n] + bias[n] there, which is all the backward needs.
   // prepared_weight: prepare_weight(weight), or None (the certified CUDA path then makes that copy
   // itself, per call); checked against weight (prepared_weight.h), not differentiable.
   m.def(

@@ -42,19 +42,25 @@ def _parse(argv):
     p.add_argument("--device", default=None,
                    help="cuda or cpu (default: cuda when a GPU and the CUDA kernels are present)")
     p.add_argument("--batch", "-B", type=int, default=None,
-                   help=f"batch size (default {GPU_DEFAULTS['batch']} on a GPU, {CPU_DEFAULTS['batch']} on the CPU)")
+                   help=f"batch size (default {GPU_DEFAULTS['batch']} on a GPU, "
+                        f"{CPU_DEFAULTS['batch']} on the CPU)")
     p.add_argument("--in-features", "-K", type=int, default=None,
-                   help=f"default {GPU_DEFAULTS['in_features']} on a GPU, {CPU_DEFAULTS['in_features']} on the CPU")
+                   help=f"default {GPU_DEFAULTS['in_features']} on a GPU, "
+                        f"{CPU_DEFAULTS['in_features']} on the CPU")
     p.add_argument("--out-features", "-O", type=int, default=None,
-                   help=f"default {GPU_DEFAULTS['out_features']} on a GPU, {CPU_DEFAULTS['out_features']} on the CPU")
+                   help=f"default {GPU_DEFAULTS['out_features']} on a GPU, "
+                        f"{CPU_DEFAULTS['out_features']} on the CPU")
     p.add_argument("--pool", "-k", type=int, default=16, help="pool kernel size (default 16)")
     p.add_argument("--scale", type=float, default=2.0, help="scale factor (default 2.0)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed for weights and x (default 0)")
-    p.add_argument("--no-train", action="store_true", help="skip the training-step check and timing")
+    p.add_argument("--seed", type=int, default=0,
+                   help="torch.manual_seed for weights and x (default 0)")
+    p.add_argument("--no-train", action="store_true",
+                   help="skip the training-step check and timing")
     p.add_argument("--no-timing", action="store_true", help="check only")
     p.add_argument("--rep", type=float, default=None,
-                   help="timed repetition time per measurement in ms (default 300 on CUDA, 500 on the CPU)")
+                   help="timed repetition time per measurement in ms "
+                        "(default 300 on CUDA, 500 on the CPU)")
     return p.parse_args(argv)
 
 
@@ -152,7 +158,8 @@ def _check_train(model, new, x, tol, strict):
     for m in (model, new):
         m.zero_grad(set_to_none=True)
     if not strict and failures:
-        print("  (half precision: arg-max ties move whole gradient rows; gradients not part of the check)")
+        print("  (half precision: arg-max ties move whole gradient rows; "
+              "gradients not part of the check)")
         failures = [f for f in failures if not f.startswith("gradient")]
     return failures
 
@@ -195,7 +202,8 @@ def main(argv=None) -> int:
     if args.device is None:
         use_cuda = torch.cuda.is_available() and info.get("cuda_kernels")
         if torch.cuda.is_available() and not info.get("cuda_kernels"):
-            print("note: a GPU is present but the CUDA kernels are not compiled in; running on the CPU")
+            print("note: a GPU is present but the CUDA kernels are not compiled in; "
+                  "running on the CPU")
         args.device = "cuda" if use_cuda else "cpu"
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -229,7 +237,8 @@ def main(argv=None) -> int:
         if not args.no_train:
             failures += _check_train(model, new, x, tol, strict=args.dtype in GRADS_CHECKED)
         if not args.no_timing:
-            rep_ms = args.rep if args.rep is not None else (300.0 if device.type == "cuda" else 500.0)
+            default_rep_ms = 300.0 if device.type == "cuda" else 500.0
+            rep_ms = args.rep if args.rep is not None else default_rep_ms
             _timings(model, new, x, device, rep_ms, train=not args.no_train)
     except Exception as error:  # a failing op is a failed check, reported in one line
         print()
@@ -240,7 +249,8 @@ def main(argv=None) -> int:
     if failures:
         print("check FAILED: " + "; ".join(failures))
         return 1
-    checked = "outputs" if args.no_train or args.dtype not in GRADS_CHECKED else "outputs and gradients"
+    grads_checked = not args.no_train and args.dtype in GRADS_CHECKED
+    checked = "outputs and gradients" if grads_checked else "outputs"
     print(f"check passed: ModelNew matches Model ({checked})")
     return 0
 

@@ -15,7 +15,7 @@ __all__ = ["Model", "ModelNew"]
 
 
 class Model(nn.Module):
-    """Linear -> AvgPool1d -> GELU -> scale -> max over features, exactly as KernelBench defines it."""
+    """Linear -> AvgPool1d -> GELU -> scale -> max, exactly as KernelBench defines it."""
 
     def __init__(self, in_features, out_features, pool_kernel_size, scale_factor):
         super().__init__()
@@ -50,7 +50,9 @@ class ModelNew(nn.Module):
     def __init__(self, in_features, out_features, pool_kernel_size, scale_factor):
         super().__init__()
         if int(pool_kernel_size) != pool_kernel_size or pool_kernel_size < 1:
-            raise ValueError(f"pool_kernel_size must be a positive integer, got {pool_kernel_size!r}")
+            raise ValueError(
+                f"pool_kernel_size must be a positive integer, got {pool_kernel_size!r}"
+            )
         # Created exactly as Model creates it, so the same seed gives the same parameters.
         self.matmul = nn.Linear(in_features, out_features)
         self.pool_kernel_size = int(pool_kernel_size)
@@ -87,7 +89,8 @@ class ModelNew(nn.Module):
     @staticmethod
     def _stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
         # A parameter is unchanged while it is the same object over the same storage with the same
-        # version counter (every in-place op, optimizer steps and load_state_dict included, bump it).
+        # version counter (every in-place op, optimizer steps and load_state_dict included, bumps
+        # it).
         # One flat tuple: this runs at every inference call, and host time counts at small batch.
         if bias is None:
             return (weight.data_ptr(), weight._version, weight.dtype, weight.device)
@@ -102,7 +105,8 @@ class ModelNew(nn.Module):
         if cache is not None:
             weight_ref, bias_ref, stamp, folded = cache
             cached_bias = None if bias_ref is None else bias_ref()
-            if weight_ref() is weight and cached_bias is bias and stamp == self._stamp(weight, bias):
+            same_objects = weight_ref() is weight and cached_bias is bias
+            if same_objects and stamp == self._stamp(weight, bias):
                 return folded
         # Plain tensors even when called under inference_mode: a frozen model cached there must
         # still serve later calls whose x requires grad (autograd cannot save inference tensors).

@@ -86,7 +86,7 @@ def forward_with_argmax(
 def model_forward(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int, scale: float
 ) -> Tensor:
-    """The whole block on the unfolded Linear parameters: ``forward(x, *fold(weight, bias, k), scale)``.
+    """The block on the unfolded Linear parameters: ``forward(x, *fold(weight, bias, k), scale)``.
 
     Same values and gradients, bit for bit, as :func:`fold` then :func:`forward`, through one C++
     autograd node (csrc/model_forward.cpp) instead of two Python ones: less host time per training
@@ -106,16 +106,21 @@ def _check(cond, message):
 
 @torch.library.register_fake("fused_pool_gelu::fold")
 def _fold_fake(weight, bias, pool_kernel_size):
-    _check(weight.dim() == 2, f"fold: weight must be 2-D [out_features, in_features], got shape {list(weight.shape)}")
+    _check(
+        weight.dim() == 2,
+        f"fold: weight must be 2-D [out_features, in_features], got shape {list(weight.shape)}",
+    )
     _check(pool_kernel_size >= 1, f"fold: pool_kernel_size must be >= 1, got {pool_kernel_size}")
     _check(
         pool_kernel_size <= weight.shape[0],
-        f"fold: pool_kernel_size must be <= out_features ({weight.shape[0]}), got {pool_kernel_size}",
+        f"fold: pool_kernel_size must be <= out_features ({weight.shape[0]}), "
+        f"got {pool_kernel_size}",
     )
     if bias is not None:
         _check(
             bias.dim() == 1 and bias.shape[0] == weight.shape[0],
-            f"fold: bias must be 1-D [out_features] = [{weight.shape[0]}], got shape {list(bias.shape)}",
+            f"fold: bias must be 1-D [out_features] = [{weight.shape[0]}], "
+            f"got shape {list(bias.shape)}",
         )
     pooled = weight.shape[0] // pool_kernel_size
     return weight.new_empty((pooled, weight.shape[1])), weight.new_empty((pooled,))
@@ -140,7 +145,8 @@ def _check_forward_shapes(x, weight, bias):
     if bias is not None:
         _check(
             bias.dim() == 1 and bias.shape[0] == weight.shape[0],
-            f"forward: bias must be 1-D [pooled_features] = [{weight.shape[0]}], got shape {list(bias.shape)}",
+            f"forward: bias must be 1-D [pooled_features] = [{weight.shape[0]}], "
+            f"got shape {list(bias.shape)}",
         )
 
 
@@ -347,9 +353,9 @@ def _make_autocast_kernel(device_type):
     return kernel
 
 
-_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.AutocastCUDA
-)
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCPU
+) | torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
 _autocast_lib = torch.library.Library("fused_pool_gelu", "IMPL")
 
 

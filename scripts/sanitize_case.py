@@ -52,9 +52,9 @@ for switches, (batch, k_in, o, k) in [(p, c) for p in paths for c in cases]:
         with torch.no_grad():
             model.to(dtype)(x.detach().to(dtype))
         model.float()
-# The backward ops on their own: forward_backward (empty groups zeroed) and model_backward, over more
-# rows than the grouping's one-tile path takes (4096) and over fewer, some rows with an arg-max out
-# of range (in no group).
+# The backward ops on their own: forward_backward (empty groups zeroed) and model_backward, over
+# more rows than the grouping's one-tile path takes (4096) and over fewer, some rows with an
+# arg-max out of range (in no group).
 ops = torch.ops.fused_pool_gelu
 for batch in (4500, 1000):
     x = torch.rand(batch, 40, device=device)

@@ -197,7 +197,7 @@ def make_inputs():
 
 
 def _check_forward(out, argmax, preactivation, x, weight, bias, scale, tol=None):
-    """(out, argmax, preactivation) of forward_with_argmax on the POOLED weight is the block's answer.
+    """(out, argmax, preactivation) of forward_with_argmax on the POOLED weight: the block's answer.
 
     - out is the row max of scale * gelu(z) in float64 (torch.max semantics: NaN wins; a
       non-finite z counts as NaN);

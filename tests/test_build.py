@@ -1,4 +1,4 @@
-"""The installed package: what is imported, what it reports about its build, how it fails unbuilt."""
+"""The installed package: what is imported, what it says about its build, how it fails unbuilt."""
 
 from __future__ import annotations
 

@@ -129,6 +129,8 @@ def test_compiled_with_dynamic_shapes_serves_several_batch_sizes(device, make_in
 
 
 def test_compile_reports_bad_shapes_while_tracing(device):
-    fn = torch.compile(lambda x, w: ops.forward(x, w, None, 2.0), backend=FAST_BACKEND, fullgraph=True)
+    fn = torch.compile(
+        lambda x, w: ops.forward(x, w, None, 2.0), backend=FAST_BACKEND, fullgraph=True
+    )
     with pytest.raises(Exception, match=r"in_features = x.size\(1\) = 8"):
         fn(torch.randn(4, 8, device=device), torch.randn(3, 7, device=device))

@@ -303,7 +303,9 @@ def _has_wgmma_gemm():
 
 
 @pytest.mark.profiler
-@pytest.mark.skipif(not _has_wgmma_gemm(), reason="needs an sm_90a build on a compute capability 9.0 GPU")
+@pytest.mark.skipif(
+    not _has_wgmma_gemm(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
+)
 def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, make_inputs):
     x, weight, bias = make_inputs(256, 1024, 256, torch.float32, DEVICE)
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
@@ -595,7 +597,9 @@ def test_half_types_backward_matches_float32_at_the_chosen_argmax(dtype, make_in
 
 def test_float64_is_rejected_on_cuda_with_the_supported_dtypes():
     x = torch.randn(4, 8, device=DEVICE, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"forward: x must be float32, float16 or bfloat16 on cuda"):
+    with pytest.raises(
+        RuntimeError, match=r"forward: x must be float32, float16 or bfloat16 on cuda"
+    ):
         ops.forward(x, x[:2], None, 2.0)
 
 
@@ -706,7 +710,8 @@ def test_backward_adds_each_arg_max_group_in_its_fixed_order(
     pick = torch.rand(batch, generator=gen)
     argmax = torch.where(pick < 0.5, crowded, spread)
     argmax = torch.where(pick > 0.975, torch.full_like(argmax, -1), argmax)
-    argmax = torch.where((pick > 0.95) & (pick <= 0.975), torch.full_like(argmax, pooled + 3), argmax)
+    past_the_end = torch.full_like(argmax, pooled + 3)
+    argmax = torch.where((pick > 0.95) & (pick <= 0.975), past_the_end, argmax)
     dz = torch.randn(batch, generator=gen)
 
     x_cuda = x.cuda()

@@ -335,14 +335,17 @@ def test_model_forward_equals_fold_then_forward_bit_for_bit(
 
 
 @pytest.mark.parametrize("needs", ["x", "weight", "bias", "weight_and_bias"])
-def test_model_forward_returns_only_the_gradients_asked_for(needs, device, exact_dtype, make_inputs):
+def test_model_forward_returns_only_the_gradients_asked_for(
+    needs, device, exact_dtype, make_inputs
+):
     x, weight, bias = make_inputs(10, 16, 12, exact_dtype, device)
     leaves = {"x": x.clone(), "weight": weight.clone(), "bias": bias.clone()}
     for name in needs.split("_and_"):
         leaves[name].requires_grad_(True)
     ops.model_forward(leaves["x"], leaves["weight"], leaves["bias"], 3, 2.0).sum().backward()
     separate = {name: _leaf(t) for name, t in (("x", x), ("weight", weight), ("bias", bias))}
-    ops.forward(separate["x"], *ops.fold(separate["weight"], separate["bias"], 3), 2.0).sum().backward()
+    folded = ops.fold(separate["weight"], separate["bias"], 3)
+    ops.forward(separate["x"], *folded, 2.0).sum().backward()
     for name, leaf in leaves.items():
         if leaf.requires_grad:
             assert torch.equal(leaf.grad, separate[name].grad)

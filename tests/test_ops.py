@@ -358,8 +358,8 @@ def test_nan_makes_the_output_nan_at_the_first_nan_index(
         assert bool((argmax == 5).all())
 
 
-# README "Non-finite values": a row holding any non-finite pre-activation gives NaN, with the arg-max
-# at its first non-finite column. (case, the row(s) affected, the expected arg-max there).
+# README "Non-finite values": a row holding any non-finite pre-activation gives NaN, with the
+# arg-max at its first non-finite column. (case, the row(s) affected, the expected arg-max there).
 INF_CASES = {
     "x_inf_positive_column": ([2], 0),  # every z of row 2 is +inf
     "x_inf_mixed_signs": ([2], 0),  # +inf and -inf in row 2
@@ -482,7 +482,9 @@ def _opcheck_cases(device, requires_grad):
         "model_forward_no_bias": (
             _OPS.model_forward.default, (leaf(x), leaf(weight), None, 3, -1.0)
         ),
-        "model_forward_k1": (_OPS.model_forward.default, (leaf(x), leaf(weight), leaf(bias), 1, 0.5)),
+        "model_forward_k1": (
+            _OPS.model_forward.default, (leaf(x), leaf(weight), leaf(bias), 1, 0.5)
+        ),
         "model_forward_empty_batch": (
             _OPS.model_forward.default, (leaf(x[:0]), leaf(weight), leaf(bias), 3, 2.0)
         ),
@@ -599,7 +601,8 @@ def _bad_input_cases():
         ),
         "fold_backward_rows": (
             lambda d: _OPS.fold_backward(t(3, 5, device=d), t(3, device=d), 8, 2),
-            r"fold_backward: grad_pooled_weight must have out_features // pool_kernel_size = 4 rows",
+            r"fold_backward: grad_pooled_weight must have "
+            r"out_features // pool_kernel_size = 4 rows",
         ),
         "fold_backward_k_zero": (
             lambda d: _OPS.fold_backward(t(3, 5, device=d), t(3, device=d), 8, 0),
@@ -685,7 +688,9 @@ def _bad_input_cases():
             r"fold: pool_kernel_size must be <= out_features \(6\)",
         ),
         "model_forward_bias_shape": (
-            lambda d: ops.model_forward(t(4, 8, device=d), t(6, 8, device=d), t(5, device=d), 2, 2.0),
+            lambda d: ops.model_forward(
+                t(4, 8, device=d), t(6, 8, device=d), t(5, device=d), 2, 2.0
+            ),
             r"fold: bias must be 1-D \[out_features\] = \[6\], got shape \[5\]",
         ),
         "model_forward_x_rank": (

@@ -411,7 +411,9 @@ def test_cuda_graph_replays_of_a_no_grad_model_new_forward_follow_parameter_upda
         _sgd_like_update(model)
         graph.replay()
         assert not torch.equal(static_out, before_update)
-        torch.testing.assert_close(static_out, _fold_and_forward(model, static_x), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            static_out, _fold_and_forward(model, static_x), atol=1e-6, rtol=1e-6
+        )
 
 
 @pytest.mark.cuda

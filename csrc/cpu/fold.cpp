@@ -43,7 +43,8 @@ std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
   check_fold_inputs(weight, bias, pool_kernel_size);
   check_dtype_in("fold", "weight", weight, kCpuDtypes, kCpuDtypesText);
   if (is_reduced_float(weight)) {
-    auto [pooled_weight, pooled_bias] = fold_cpu(weight.to(at::kFloat), to_float(bias), pool_kernel_size);
+    auto [pooled_weight, pooled_bias] =
+        fold_cpu(weight.to(at::kFloat), to_float(bias), pool_kernel_size);
     return {pooled_weight.to(weight.scalar_type()), pooled_bias.to(weight.scalar_type())};
   }
   const int64_t k = pool_kernel_size;

@@ -28,9 +28,9 @@ namespace {
 constexpr int64_t kRowsPerBlock = 256;
 
 // scale * gelu(z), with a non-finite pre-activation giving NaN. Why: the reference reaches Inf
-// through the unpooled rows (the mean of +Inf and -Inf rows is NaN there, a finite weight mean here),
-// and torch's own float32 CPU GELU maps +-Inf to NaN, so no Inf result could be matched exactly; NaN
-// says that the row overflowed. See "Non-finite inputs" in README.md.
+// through the unpooled rows (the mean of +Inf and -Inf rows is NaN there, a finite weight mean
+// here), and torch's own float32 CPU GELU maps +-Inf to NaN, so no Inf result could be matched
+// exactly; NaN says that the row overflowed. See "Non-finite inputs" in README.md.
 template <typename scalar_t>
 scalar_t activation(scalar_t z, scalar_t scale) {
   if (!std::isfinite(z)) return std::numeric_limits<scalar_t>::quiet_NaN();

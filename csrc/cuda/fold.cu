@@ -100,7 +100,9 @@ __global__ void __launch_bounds__(kFoldThreads)
     }
     AlignedVector<scalar_t, VEC> out;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) out.val[j] = static_cast<scalar_t>(acc[j] / static_cast<acc_t>(k));
+    for (int j = 0; j < VEC; ++j) {
+      out.val[j] = static_cast<scalar_t>(acc[j] / static_cast<acc_t>(k));
+    }
     store_vector<scalar_t, VEC>(pooled_weight + n * in_features + col, out);
   }
 
@@ -238,7 +240,8 @@ std::tuple<at::Tensor, at::Tensor> fold_cuda(const at::Tensor& weight,
     constexpr int kVec = vector_width<scalar_t>();
     // pooled_weight is fresh and contiguous: its rows are aligned when its start is and
     // in_features % kVec == 0, which rows_are_vectorizable(weight) implies.
-    if (rows_are_vectorizable(weight, kVec) && is_aligned(pooled_weight.const_data_ptr(), kVectorBytes)) {
+    if (rows_are_vectorizable(weight, kVec) &&
+        is_aligned(pooled_weight.const_data_ptr(), kVectorBytes)) {
       launch_fold<scalar_t, kVec>(weight, bias, k, pooled_weight, pooled_bias);
     } else {
       launch_fold<scalar_t, 1>(weight, bias, k, pooled_weight, pooled_bias);
@@ -271,8 +274,8 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_of(const at::Tensor& grad_poole
   at::Tensor grad_bias = at::empty({out_features}, grad_pooled_weight.options());
   if (out_features == 0) return {grad_weight, grad_bias};
 
-  FPG_DISPATCH_CUDA_FLOATING_TYPES(grad_pooled_weight.scalar_type(), "fused_pool_gelu.fold_backward",
-                                   [&] {
+  const auto dtype = grad_pooled_weight.scalar_type();
+  FPG_DISPATCH_CUDA_FLOATING_TYPES(dtype, "fused_pool_gelu.fold_backward", [&] {
     constexpr int kVec = vector_width<scalar_t>();
     // grad_weight is fresh and contiguous: its rows are aligned when its start is and
     // in_features % kVec == 0, which rows_are_vectorizable(grad_pooled_weight) implies.

@@ -68,7 +68,8 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) 
                : "memory");
 }
 
-// d += a * b on a 16x8x8 tile: A row-major 16x8, B column-major 8x8 (= weight rows), fp32 accumulate.
+// d += a * b on a 16x8x8 tile: A row-major 16x8, B column-major 8x8 (= weight rows), fp32
+// accumulation.
 __device__ __forceinline__ void mma_tf32_16x8x8(float (&d)[4], const uint32_t (&a)[4],
                                                 const uint32_t (&b)[2]) {
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
