@@ -540,14 +540,14 @@ struct TmaMaps {
 //   warp 0, lane 0: the TMA producer (two 16 KB float32 x boxes and one fp16 weight box of 32 or
 //     16 KB per stage, all 128-byte swizzled, completing on the stage's full barrier); warps 1-3
 //     idle;
-//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all kBlockN weight rows. Per K step
-//     of 16 each thread loads its A fragment (rows g and g + 8 of its warp's 16, K positions 2 t,
-//     2 t + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout; the columns at those positions are the
+//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all kBlockN weight rows. Per K
+//     step of 16 each thread loads its A fragment (rows g and g + 8 of its warp's 16, K positions
+//     2 t, 2 t + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout; the columns at those positions are the
 //     weight copy's, prepared_copy_group) from the float32 stage, converts it to fp16 (4
 //     registers), and issues one m64n{kBlockN}k16 wgmma with A from registers and the weight from
 //     shared memory (K-major: a 128-byte row is 64 halves, K step kk starts 32 kk bytes into it).
-//     The consumers whose rows' norms this CTA owes also sum the squares of the
-//     scaled x values and of their fp16 residuals.
+//     The consumers whose rows' norms this CTA owes also sum the squares of the scaled x values and
+//     of their fp16 residuals.
 // The tensor core accumulates the whole split (no float32 flush: up to 128 accumulator floats per
 // thread leave no room for a second set); the bound models that chain (certified_bound).
 // ------------------------------------------------------------------------------------------------
