@@ -536,18 +536,20 @@ struct TmaMaps {
 // from DRAM (32 MB at B = 1024) could not overlap anything (a version with both copies made ahead:
 // pass 1 26.7 us, the copies 27.2).
 //
-// CTA tile 128 (x rows) x kBlockN (weight rows: 256 or 128, Pass1Tile) x 64 (K), 384 threads:
-//   warp 0, lane 0: the TMA producer (two 16 KB float32 x boxes and one fp16 weight box of 32 or
-//     16 KB per stage, all 128-byte swizzled, completing on the stage's full barrier); warps 1-3
-//     idle;
-//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all kBlockN weight rows. Per K
-//     step of 16 each thread loads its A fragment (rows g and g + 8 of its warp's 16, K positions
-//     2 t, 2 t + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout; the columns at those positions are the
-//     weight copy's, prepared_copy_group) from the float32 stage, converts it to fp16 (4
-//     registers), and issues one m64n{kBlockN}k16 wgmma with A from registers and the weight from
-//     shared memory (K-major: a 128-byte row is 64 halves, K step kk starts 32 kk bytes into it).
-//     The consumers whose rows' norms this CTA owes also sum the squares of the scaled x values and
-//     of their fp16 residuals.
+// CTA tile kBlockM (x rows: 128 or 64) x kBlockN (weight rows: 256 or 128) x 64 (K) (Pass1Tile),
+// 384 threads:
+//   warp 0, lane 0: the TMA producer (two float32 x boxes of 16 or 8 KB and one fp16 weight box
+//     of 32 or 16 KB per stage, all 128-byte swizzled, completing on the stage's full barrier);
+//     warps 1-3 idle;
+//   warpgroups 1 and 2: the consumers; at 128 x rows, x rows [64 c, 64 c + 64) x all kBlockN weight
+//     rows, at 64 all x rows x weight rows [c kBlockN / 2, (c + 1) kBlockN / 2). Per K step of 16
+//     each thread loads its A fragment (rows g and g + 8 of its warp's 16, K positions 2 t,
+//     2 t + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout; the columns at those positions are the weight
+//     copy's, prepared_copy_group) from the float32 stage, converts it to fp16 (4 registers), and
+//     issues one m64n{kWgColumns}k16 wgmma with A from registers and the weight from shared memory
+//     (K-major: a 128-byte row is 64 halves, K step kk starts 32 kk bytes into it). The consumers
+//     whose rows' norms this CTA owes also sum the squares of the scaled x values and of their fp16
+//     residuals.
 // The tensor core accumulates the whole split (no float32 flush: up to 128 accumulator floats per
 // thread leave no room for a second set); the bound models that chain (certified_bound).
 // ------------------------------------------------------------------------------------------------
@@ -576,9 +578,9 @@ static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= k
 // of the benchmarks' flushed dirty lines (~0.6 us per MB on the H200). At B = 128, K = 8192, N =
 // 512, 128 CTAs: pass 1 11.0 us (256, 64 splits, 8 MB) -> 9.0 (128, 32 splits, 4 MB); without any
 // store either takes 6.4-6.6 (NOTES, 2026-11-30 22:45-23:03 UTC).
-// EXPERIMENT (branch exp/pass1-64-rows): kBlockM = 64 x rows, both consumer warpgroups on the same
-// rows, each on half of the kBlockN weight rows (m64n64k16 at kBlockN = 128): half the partials
-// per CTA again (the fused rows: 2 MB at B = 128 instead of 4), x's tile read by twice as many CTAs.
+// The fused rows take 64 x rows per tile, both consumer warpgroups on the same rows, each on half
+// of the 128 weight rows (m64n64k16): half the partials per CTA again (2 MB at B = 128 instead of
+// 4), for x's tiles read from L2 by twice as many CTAs.
 template <int kBlockM, int kBlockN>
 struct Pass1Tile {
   static_assert(kBlockN == 128 || kBlockN == 256, "one m64n128k16 or m64n256k16 wgmma per K step");
