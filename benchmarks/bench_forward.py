@@ -3,7 +3,7 @@
     python benchmarks/bench_forward.py                 # H200: B in {1,16,128,1024,4096}, K=O=8192
     python benchmarks/bench_forward.py --skip-compile  # no torch.compile peers (fast)
     python benchmarks/bench_forward.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile
-    python benchmarks/bench_forward.py --out rows.json # the rows as JSON too
+    python benchmarks/bench_forward.py --out r.json    # the rows as JSON too
 
 Impls (weights from torch.manual_seed(seed); Model(K, O, k, s), the same for all):
   ref_eager     Model (nn.Linear -> AvgPool1d -> gelu -> * s -> max)

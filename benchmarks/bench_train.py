@@ -3,7 +3,7 @@
     python benchmarks/bench_train.py                   # H200: B in {1,16,128,1024,4096}, K=O=8192
     python benchmarks/bench_train.py --skip-compile
     python benchmarks/bench_train.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile
-    python benchmarks/bench_train.py --out rows.json   # the rows as JSON too
+    python benchmarks/bench_train.py --out r.json      # the rows as JSON too
 
 One step = grads set to None (weight, bias, x), forward, out.sum().backward() producing the
 gradients of weight, bias and x. Impls (each with its own copy of the parameters):

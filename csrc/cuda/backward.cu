@@ -416,11 +416,11 @@ __global__ void __launch_bounds__(kGroupThreads, 2)
   }
 }
 
-// Block (tile, chunk) of the segment reduction's first pass: sorted positions tile * R .. tile * R
-// + rows - 1 (R = kSegmentTileRows), columns chunk * kSegmentThreads + t. Segment n is
-// order[segment_starts[n] .. segment_starts[n + 1]): the rows b with argmax[b] == n in increasing b
-// (group_rows). Each run of the tile's rows in one segment (a piece) is summed left to right from
-// zero, acc += dz[b] * x[b, col] (each product rounded, no FMA), and goes to
+// Block (tile, chunk) of the segment reduction's first pass: sorted positions
+// tile * R .. tile * R + rows - 1 (R = kSegmentTileRows), columns chunk * kSegmentThreads + t.
+// Segment n is order[segment_starts[n] .. segment_starts[n + 1]): the rows b with argmax[b] == n
+// in increasing b (group_rows). Each run of the tile's rows in one segment (a piece) is summed
+// left to right from zero, acc += dz[b] * x[b, col] (each product rounded, no FMA), and goes to
 //   pieces[tile][0]        when the segment has rows before the tile (it is the tile's first),
 //   pieces[tile][1]        when it has rows after the tile but none before (the tile's last),
 //   grad_weight[n] itself  when all of its rows are in this tile: the piece is the whole sum.

@@ -127,8 +127,8 @@ __device__ __forceinline__ uint32_t swizzle128(int row, int chunk) {
 
 // Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address >> 4 in bits
 // 0-13, leading byte offset >> 4 in bits 16-29 (unused by swizzled K-major layouts: 1), stride
-// byte offset >> 4 in bits 32-45 (1024: the next group of 8 rows), swizzle mode in bits 62-63 (1:
-// 128 B).
+// byte offset >> 4 in bits 32-45 (1024: the next group of 8 rows), swizzle mode in bits 62-63
+// (1: 128 B).
 // For any K-major tile of 128-byte rows in the 128-byte swizzle: the weight tiles, and pass 1's x
 // tiles.
 __device__ __forceinline__ uint64_t swizzled_tile_descriptor(uint32_t address) {
