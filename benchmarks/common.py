@@ -417,6 +417,16 @@ def folded_weights(in_features: int, out_features: int, pool: int):
     return fused_pool_gelu.fold(model.matmul.weight.cuda(), model.matmul.bias.cuda(), pool)
 
 
+def benchmark_x(batch: int, in_features: int, device, seed: int = 0):
+    """The benchmarks' x for batch B: torch.rand(B, K) in float32 on `device`, from that device's
+    generator seeded with seed + B (so every batch has its own data, the same in every script)."""
+    import torch
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed + batch)
+    return torch.rand(batch, in_features, device=device, generator=gen, dtype=torch.float32)
+
+
 def write_profile(path: Optional[str], rows: List[dict]) -> None:
     """The profile_*.py scripts' rows as JSON at path (nothing when path is None)."""
     if path is None:
@@ -528,12 +538,7 @@ class Context:
 
     def make_x(self, batch: int):
         """x ~ torch.rand(B, K), seeded per B (on the device's generator), in the run's dtype."""
-        import torch
-
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(self.args.seed + batch)
-        x = torch.rand(batch, self.K, device=self.device, generator=gen, dtype=torch.float32)
-        return x.to(self.dtype)
+        return benchmark_x(batch, self.K, self.device, self.args.seed).to(self.dtype)
 
     def mark_batch_dynamic(self, x):
         if self.args.compile_dynamic and x.shape[0] > 1:

@@ -112,8 +112,7 @@ def main():
                 os.environ.pop(name, None)
             os.environ.update(PATHS[path])
             for batch in args.batches:
-                gen = torch.Generator(device="cuda").manual_seed(batch)
-                x = torch.rand(batch, k, device="cuda", generator=gen)
+                x = common.benchmark_x(batch, k, "cuda")
                 for prepared in prepared_options:
                     rows.append(profile_row(path, x, weight, bias, args.calls,
                                             prepared_weight if prepared else None))

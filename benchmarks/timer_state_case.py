@@ -52,8 +52,7 @@ def main(argv=None):
     if args.what == "forward":
         weight, bias = (t.detach() for t in common.folded_weights(args.K, 16 * args.N, 16))
         prepared_weight = fused_pool_gelu.prepare_weight(weight) if args.prepared else None
-        gen = torch.Generator(device=device).manual_seed(args.size)
-        x = torch.rand(args.size, args.K, device=device, generator=gen)
+        x = common.benchmark_x(args.size, args.K, device)
 
         def call():
             with torch.no_grad():
