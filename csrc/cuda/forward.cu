@@ -204,8 +204,9 @@ constexpr int kSimtMaxCtasPerSm = 4;
 constexpr int64_t kTcMaxSplits = 64;
 // The certified pass 1 plans its splits the same way but keeps at least 8 of its 64-wide K tiles
 // per split, as it was measured (K < 4096 at B >= 257 only: shorter splits there are untried);
-// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 128-wide
-// tiles take 32 splits, 128 CTAs (9.0 us; 2 tiles per split would make 256 CTAs, two waves).
+// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 64 x 128
+// tiles take 16 splits, 128 CTAs (4 tiles per split would make 256 CTAs, two waves; the 128 x 128
+// tiles before took 32 splits, 9.0 us).
 constexpr int64_t kPass1MinKTilesPerSplit = 8;
 constexpr int64_t kPass1FusedMinKTilesPerSplit = 4;
 constexpr int64_t kTcMaxSplitWaves = 4;
@@ -518,8 +519,10 @@ const DeviceInfo& device_info(int device) {
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
       if (attributes.binaryVersion == 90) {
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
-        set_max_dynamic_smem(fg::certified_pass1_kernel<128>, fg::Pass1Tile<128>::kSmemBytes);
-        set_max_dynamic_smem(fg::certified_pass1_kernel<256>, fg::Pass1Tile<256>::kSmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel<64, 128>,
+                             fg::Pass1Tile<64, 128>::kSmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel<128, 256>,
+                             fg::Pass1Tile<128, 256>::kSmemBytes);
         info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
                                                        fg::kWgThreads, fg::kWgSmemBytes);
       }
@@ -1113,9 +1116,10 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
                             int64_t n, int64_t k_padded, const at::TensorOptions& options,
                             const CertifiedOutputs& outputs, cudaStream_t stream) {
   const bool fused = certified_fused_rows(info, batch);
+  const int64_t block_m = fused ? 64 : 128;
   const int64_t block_n = fused ? 128 : 256;
   const int64_t max_splits = fused ? certified::kFusedMaxSplits : certified::kMaxSplits;
-  const int64_t tiles = ceil_div(batch, int64_t{fg::kPass1BlockM}) * ceil_div(n, block_n);
+  const int64_t tiles = ceil_div(batch, block_m) * ceil_div(n, block_n);
   // One CTA per SM (the kernel's shared memory); the whole split is one tensor-core chain.
   const int64_t split_cap = std::min(max_splits, kMaxWorkspaceFloats / (batch * n));
   const int64_t k_per_split =
@@ -1167,21 +1171,23 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
   gemm.zeroed_counters = selection.rescore_ends();
   // The copy's whole rows: its last block of 64 holds columns below k_padded at positions above
   // it (prepared_copy_group), and zeros for the rest; x's map zero-fills past k_padded.
-  const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, fg::kPass1BlockM),
+  const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, static_cast<int>(block_m)),
                          tensor_map(reinterpret_cast<const __half*>(prepared), copy_halves, n,
                                     copy_halves, static_cast<int>(block_n))};
   cudaLaunchAttribute pass1_attribute{};
   cudaLaunchConfig_t pass1_config =
       dependent_launch_config(1, fg::kWgThreads, stream, pass1_attribute);
   pass1_config.gridDim = dim3(static_cast<unsigned>(ceil_div(n, block_n)),
-                              static_cast<unsigned>(ceil_div(batch, int64_t{fg::kPass1BlockM})),
+                              static_cast<unsigned>(ceil_div(batch, block_m)),
                               static_cast<unsigned>(splits));
   if (fused) {
-    pass1_config.dynamicSmemBytes = fg::Pass1Tile<128>::kSmemBytes;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<128>, gemm, maps));
+    pass1_config.dynamicSmemBytes = fg::Pass1Tile<64, 128>::kSmemBytes;
+    C10_CUDA_CHECK(
+        cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<64, 128>, gemm, maps));
   } else {
-    pass1_config.dynamicSmemBytes = fg::Pass1Tile<256>::kSmemBytes;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<256>, gemm, maps));
+    pass1_config.dynamicSmemBytes = fg::Pass1Tile<128, 256>::kSmemBytes;
+    C10_CUDA_CHECK(
+        cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<128, 256>, gemm, maps));
   }
 
   certified::SelectParams select{};
