@@ -204,11 +204,16 @@ constexpr int kSimtMaxCtasPerSm = 4;
 constexpr int64_t kTcMaxSplits = 64;
 // The certified pass 1 plans its splits the same way but keeps at least 8 of its 64-wide K tiles
 // per split, as it was measured (K < 4096 at B >= 257 only: shorter splits there are untried);
-// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 64 x 128
-// tiles take 16 splits, 128 CTAs (4 tiles per split would make 256 CTAs, two waves; the 128 x 128
-// tiles before took 32 splits, 9.0 us).
+// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 128 x 128
+// tiles take 32 splits, 128 CTAs (9.0 us; 2 tiles per split would make 256 CTAs, two waves), and
+// at B = 64 its 64 x 128 tiles (kPass1SmallTileMaxBatch) the same.
 constexpr int64_t kPass1MinKTilesPerSplit = 8;
 constexpr int64_t kPass1FusedMinKTilesPerSplit = 4;
+// The fused rows' pass 1 takes 64 x rows per tile up to this batch, 128 beyond: one 64-row tile
+// instead of a half-empty 128-row one gained 0.3-0.6 us at B = 33-64, but at B = 128 two 64-row
+// tiles per column tile read a third more from L2 per CTA than one of 128 (x's tile for half the
+// columns): pass 1 9.2 -> 10.2 us (NOTES, 2026-12-01).
+constexpr int64_t kPass1SmallTileMaxBatch = 64;
 constexpr int64_t kTcMaxSplitWaves = 4;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
@@ -521,6 +526,8 @@ const DeviceInfo& device_info(int device) {
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
         set_max_dynamic_smem(fg::certified_pass1_kernel<64, 128>,
                              fg::Pass1Tile<64, 128>::kSmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel<128, 128>,
+                             fg::Pass1Tile<128, 128>::kSmemBytes);
         set_max_dynamic_smem(fg::certified_pass1_kernel<128, 256>,
                              fg::Pass1Tile<128, 256>::kSmemBytes);
         info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
@@ -1106,6 +1113,14 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
                                     outputs.out, outputs.argmax, outputs.preactivation));
 }
 
+// Pass 1 on kBlockM x kBlockN tiles (fg::Pass1Tile), with `config`'s grid.
+template <int kBlockM, int kBlockN>
+void launch_pass1(cudaLaunchConfig_t config, const fg::GemmParams& gemm, const fg::TmaMaps& maps) {
+  config.dynamicSmemBytes = fg::Pass1Tile<kBlockM, kBlockN>::kSmemBytes;
+  C10_CUDA_CHECK(
+      cudaLaunchKernelEx(&config, fg::certified_pass1_kernel<kBlockM, kBlockN>, gemm, maps));
+}
+
 // The certified forward: the weight's prepared copy (prepared_weight.h; made here unless the
 // caller passes one), pass 1 (single-pass fp16 wgmma), then the selection (which takes x's norms
 // from pass 1's split sums) and the rescoring, fused per row or as two kernels
@@ -1116,7 +1131,7 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
                             int64_t n, int64_t k_padded, const at::TensorOptions& options,
                             const CertifiedOutputs& outputs, cudaStream_t stream) {
   const bool fused = certified_fused_rows(info, batch);
-  const int64_t block_m = fused ? 64 : 128;
+  const int64_t block_m = fused && batch <= kPass1SmallTileMaxBatch ? 64 : 128;
   const int64_t block_n = fused ? 128 : 256;
   const int64_t max_splits = fused ? certified::kFusedMaxSplits : certified::kMaxSplits;
   const int64_t tiles = ceil_div(batch, block_m) * ceil_div(n, block_n);
@@ -1180,14 +1195,12 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
   pass1_config.gridDim = dim3(static_cast<unsigned>(ceil_div(n, block_n)),
                               static_cast<unsigned>(ceil_div(batch, block_m)),
                               static_cast<unsigned>(splits));
-  if (fused) {
-    pass1_config.dynamicSmemBytes = fg::Pass1Tile<64, 128>::kSmemBytes;
-    C10_CUDA_CHECK(
-        cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<64, 128>, gemm, maps));
+  if (!fused) {
+    launch_pass1<128, 256>(pass1_config, gemm, maps);
+  } else if (block_m == 64) {
+    launch_pass1<64, 128>(pass1_config, gemm, maps);
   } else {
-    pass1_config.dynamicSmemBytes = fg::Pass1Tile<128, 256>::kSmemBytes;
-    C10_CUDA_CHECK(
-        cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<128, 256>, gemm, maps));
+    launch_pass1<128, 128>(pass1_config, gemm, maps);
   }
 
   certified::SelectParams select{};

@@ -578,9 +578,11 @@ static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= k
 // of the benchmarks' flushed dirty lines (~0.6 us per MB on the H200). At B = 128, K = 8192, N =
 // 512, 128 CTAs: pass 1 11.0 us (256, 64 splits, 8 MB) -> 9.0 (128, 32 splits, 4 MB); without any
 // store either takes 6.4-6.6 (NOTES, 2026-11-30 22:45-23:03 UTC).
-// The fused rows take 64 x rows per tile, both consumer warpgroups on the same rows, each on half
-// of the 128 weight rows (m64n64k16): half the partials per CTA again (2 MB at B = 128 instead of
-// 4), for x's tiles read from L2 by twice as many CTAs.
+// kBlockM: x rows per tile, 128, or 64 for the fused rows of at most 64 rows (forward.cu's
+// kPass1SmallTileMaxBatch): one 64-row tile instead of a half-empty 128-row one, both consumer
+// warpgroups on the same rows, each on half of the 128 weight rows (m64n64k16). At B = 128 two
+// such tiles per column tile read a third more from L2 per CTA than one of 128 (x's tile for half
+// the columns): slower there, for half the partials.
 template <int kBlockM, int kBlockN>
 struct Pass1Tile {
   static_assert(kBlockN == 128 || kBlockN == 256, "one m64n128k16 or m64n256k16 wgmma per K step");
