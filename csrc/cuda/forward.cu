@@ -204,10 +204,16 @@ constexpr int kSimtMaxCtasPerSm = 4;
 constexpr int64_t kTcMaxSplits = 64;
 // The certified pass 1 plans its splits the same way but keeps at least 8 of its 64-wide K tiles
 // per split, as it was measured (K < 4096 at B >= 257 only: shorter splits there are untried);
-// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 128-wide
-// tiles take 32 splits, 128 CTAs (9.0 us; 2 tiles per split would make 256 CTAs, two waves).
+// for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 128 x 128
+// tiles take 32 splits, 128 CTAs (9.0 us; 2 tiles per split would make 256 CTAs, two waves), and
+// at B = 64 its 64 x 128 tiles (kPass1SmallTileMaxBatch) the same.
 constexpr int64_t kPass1MinKTilesPerSplit = 8;
 constexpr int64_t kPass1FusedMinKTilesPerSplit = 4;
+// The fused rows' pass 1 takes 64 x rows per tile up to this batch, 128 beyond: one 64-row tile
+// instead of a half-empty 128-row one gained 0.3-0.6 us at B = 33-64, but at B = 128 two 64-row
+// tiles per column tile read a third more from L2 per CTA than one of 128 (x's tile for half the
+// columns): pass 1 9.2 -> 10.2 us (NOTES, 2026-12-01).
+constexpr int64_t kPass1SmallTileMaxBatch = 64;
 constexpr int64_t kTcMaxSplitWaves = 4;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
@@ -518,8 +524,12 @@ const DeviceInfo& device_info(int device) {
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
       if (attributes.binaryVersion == 90) {
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
-        set_max_dynamic_smem(fg::certified_pass1_kernel<128>, fg::Pass1Tile<128>::kSmemBytes);
-        set_max_dynamic_smem(fg::certified_pass1_kernel<256>, fg::Pass1Tile<256>::kSmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel<64, 128>,
+                             fg::Pass1Tile<64, 128>::kSmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel<128, 128>,
+                             fg::Pass1Tile<128, 128>::kSmemBytes);
+        set_max_dynamic_smem(fg::certified_pass1_kernel<128, 256>,
+                             fg::Pass1Tile<128, 256>::kSmemBytes);
         info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
                                                        fg::kWgThreads, fg::kWgSmemBytes);
       }
@@ -1103,6 +1113,14 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
                                     outputs.out, outputs.argmax, outputs.preactivation));
 }
 
+// Pass 1 on kBlockM x kBlockN tiles (fg::Pass1Tile), with `config`'s grid.
+template <int kBlockM, int kBlockN>
+void launch_pass1(cudaLaunchConfig_t config, const fg::GemmParams& gemm, const fg::TmaMaps& maps) {
+  config.dynamicSmemBytes = fg::Pass1Tile<kBlockM, kBlockN>::kSmemBytes;
+  C10_CUDA_CHECK(
+      cudaLaunchKernelEx(&config, fg::certified_pass1_kernel<kBlockM, kBlockN>, gemm, maps));
+}
+
 // The certified forward: the weight's prepared copy (prepared_weight.h; made here unless the
 // caller passes one), pass 1 (single-pass fp16 wgmma), then the selection (which takes x's norms
 // from pass 1's split sums) and the rescoring, fused per row or as two kernels
@@ -1113,9 +1131,10 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
                             int64_t n, int64_t k_padded, const at::TensorOptions& options,
                             const CertifiedOutputs& outputs, cudaStream_t stream) {
   const bool fused = certified_fused_rows(info, batch);
+  const int64_t block_m = fused && batch <= kPass1SmallTileMaxBatch ? 64 : 128;
   const int64_t block_n = fused ? 128 : 256;
   const int64_t max_splits = fused ? certified::kFusedMaxSplits : certified::kMaxSplits;
-  const int64_t tiles = ceil_div(batch, int64_t{fg::kPass1BlockM}) * ceil_div(n, block_n);
+  const int64_t tiles = ceil_div(batch, block_m) * ceil_div(n, block_n);
   // One CTA per SM (the kernel's shared memory); the whole split is one tensor-core chain.
   const int64_t split_cap = std::min(max_splits, kMaxWorkspaceFloats / (batch * n));
   const int64_t k_per_split =
@@ -1167,21 +1186,21 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
   gemm.zeroed_counters = selection.rescore_ends();
   // The copy's whole rows: its last block of 64 holds columns below k_padded at positions above
   // it (prepared_copy_group), and zeros for the rest; x's map zero-fills past k_padded.
-  const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, fg::kPass1BlockM),
+  const fg::TmaMaps maps{tensor_map(x.data, x.ld, batch, k_padded, static_cast<int>(block_m)),
                          tensor_map(reinterpret_cast<const __half*>(prepared), copy_halves, n,
                                     copy_halves, static_cast<int>(block_n))};
   cudaLaunchAttribute pass1_attribute{};
   cudaLaunchConfig_t pass1_config =
       dependent_launch_config(1, fg::kWgThreads, stream, pass1_attribute);
   pass1_config.gridDim = dim3(static_cast<unsigned>(ceil_div(n, block_n)),
-                              static_cast<unsigned>(ceil_div(batch, int64_t{fg::kPass1BlockM})),
+                              static_cast<unsigned>(ceil_div(batch, block_m)),
                               static_cast<unsigned>(splits));
-  if (fused) {
-    pass1_config.dynamicSmemBytes = fg::Pass1Tile<128>::kSmemBytes;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<128>, gemm, maps));
+  if (!fused) {
+    launch_pass1<128, 256>(pass1_config, gemm, maps);
+  } else if (block_m == 64) {
+    launch_pass1<64, 128>(pass1_config, gemm, maps);
   } else {
-    pass1_config.dynamicSmemBytes = fg::Pass1Tile<256>::kSmemBytes;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&pass1_config, fg::certified_pass1_kernel<256>, gemm, maps));
+    launch_pass1<128, 128>(pass1_config, gemm, maps);
   }
 
   certified::SelectParams select{};

@@ -536,18 +536,20 @@ struct TmaMaps {
 // from DRAM (32 MB at B = 1024) could not overlap anything (a version with both copies made ahead:
 // pass 1 26.7 us, the copies 27.2).
 //
-// CTA tile 128 (x rows) x kBlockN (weight rows: 256 or 128, Pass1Tile) x 64 (K), 384 threads:
-//   warp 0, lane 0: the TMA producer (two 16 KB float32 x boxes and one fp16 weight box of 32 or
-//     16 KB per stage, all 128-byte swizzled, completing on the stage's full barrier); warps 1-3
-//     idle;
-//   warpgroups 1 and 2: the consumers, x rows [64 c, 64 c + 64) x all kBlockN weight rows. Per K
-//     step of 16 each thread loads its A fragment (rows g and g + 8 of its warp's 16, K positions
-//     2 t, 2 t + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout; the columns at those positions are the
-//     weight copy's, prepared_copy_group) from the float32 stage, converts it to fp16 (4
-//     registers), and issues one m64n{kBlockN}k16 wgmma with A from registers and the weight from
-//     shared memory (K-major: a 128-byte row is 64 halves, K step kk starts 32 kk bytes into it).
-//     The consumers whose rows' norms this CTA owes also sum the squares of the scaled x values and
-//     of their fp16 residuals.
+// CTA tile kBlockM (x rows: 128 or 64) x kBlockN (weight rows: 256 or 128) x 64 (K) (Pass1Tile),
+// 384 threads:
+//   warp 0, lane 0: the TMA producer (two float32 x boxes of 16 or 8 KB and one fp16 weight box
+//     of 32 or 16 KB per stage, all 128-byte swizzled, completing on the stage's full barrier);
+//     warps 1-3 idle;
+//   warpgroups 1 and 2: the consumers; at 128 x rows, x rows [64 c, 64 c + 64) x all kBlockN weight
+//     rows, at 64 all x rows x weight rows [c kBlockN / 2, (c + 1) kBlockN / 2). Per K step of 16
+//     each thread loads its A fragment (rows g and g + 8 of its warp's 16, K positions 2 t,
+//     2 t + 1, 2 t + 8, 2 t + 9: the m16n8k16 layout; the columns at those positions are the weight
+//     copy's, prepared_copy_group) from the float32 stage, converts it to fp16 (4 registers), and
+//     issues one m64n{kWgColumns}k16 wgmma with A from registers and the weight from shared memory
+//     (K-major: a 128-byte row is 64 halves, K step kk starts 32 kk bytes into it). The consumers
+//     whose rows' norms this CTA owes also sum the squares of the scaled x values and of their fp16
+//     residuals.
 // The tensor core accumulates the whole split (no float32 flush: up to 128 accumulator floats per
 // thread leave no room for a second set); the bound models that chain (certified_bound).
 // ------------------------------------------------------------------------------------------------
@@ -555,8 +557,6 @@ constexpr int kPass1BlockM = 128;
 constexpr int kPass1BlockK = 64;  // fp16 weight row: 128 bytes, one swizzle row
 constexpr int kPass1XBoxK = 32;   // float32 x row: 128 bytes, one swizzle row
 constexpr int kPass1MmaK = 16;
-constexpr int kPass1XBoxBytes = kPass1BlockM * kPass1XBoxK * 4;    // 16 KB
-constexpr int kPass1XTileBytes = 2 * kPass1XBoxBytes;              // 32 KB
 // x's scale per row and split: the first tile's largest |x| goes to [2^10, 2^11), leaving a factor
 // 32 below fp16's largest finite value (65504) for the split's later tiles; a larger value
 // overflows to infinity and the row is rescored whole (forward_certified.cuh).
@@ -565,7 +565,6 @@ constexpr int kPass1XScaleTarget = 10;
 // 128 accumulator floats and 16 A registers.
 constexpr int kPass1ProducerRegisters = 56;
 constexpr int kPass1ConsumerRegisters = 224;
-static_assert(kPass1XBoxBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
 static_assert(kPass1BlockK * 2 == 128 && kPass1XBoxK * 4 == 128,
               "one 128-byte swizzle row per tile row");
 static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= kWgThreads * 168,
@@ -579,13 +578,23 @@ static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= k
 // of the benchmarks' flushed dirty lines (~0.6 us per MB on the H200). At B = 128, K = 8192, N =
 // 512, 128 CTAs: pass 1 11.0 us (256, 64 splits, 8 MB) -> 9.0 (128, 32 splits, 4 MB); without any
 // store either takes 6.4-6.6 (NOTES, 2026-11-30 22:45-23:03 UTC).
-template <int kBlockN>
+// kBlockM: x rows per tile, 128, or 64 for the fused rows of at most 64 rows (forward.cu's
+// kPass1SmallTileMaxBatch): one 64-row tile instead of a half-empty 128-row one, both consumer
+// warpgroups on the same rows, each on half of the 128 weight rows (m64n64k16). At B = 128 two
+// such tiles per column tile read a third more from L2 per CTA than one of 128 (x's tile for half
+// the columns): slower there, for half the partials.
+template <int kBlockM, int kBlockN>
 struct Pass1Tile {
   static_assert(kBlockN == 128 || kBlockN == 256, "one m64n128k16 or m64n256k16 wgmma per K step");
-  // 3 x 64 KB at 256, 4 x 48 KB at 128: at 128 the whole of a 4-tile split is in flight at once.
-  static constexpr int kStages = kBlockN == 256 ? 3 : 4;
-  static constexpr int kAccum = kBlockN / 2;  // floats per consumer thread
-  static constexpr int kStageBytes = kPass1XTileBytes + kBlockN * kPass1BlockK * 2;
+  static_assert(kBlockM == 128 || (kBlockM == 64 && kBlockN == 128), "64 x 128 or 128-row tiles");
+  static constexpr int kXBoxBytes = kBlockM * kPass1XBoxK * 4;
+  static constexpr int kXTileBytes = 2 * kXBoxBytes;
+  // Weight rows per consumer warpgroup: all of them at 128 x rows (each its 64 x rows), half at 64.
+  static constexpr int kWgColumns = kBlockM == 128 ? kBlockN : kBlockN / 2;
+  static constexpr int kAccum = kWgColumns / 2;  // floats per consumer thread
+  static constexpr int kStageBytes = kXTileBytes + kBlockN * kPass1BlockK * 2;
+  // 3 x 64 KB at 128 x 256, 4 x 48 KB at 128 x 128, 6 x 32 KB at 64 x 128.
+  static constexpr int kStages = kStageBytes == 64 * 1024 ? 3 : kStageBytes == 48 * 1024 ? 4 : 6;
   static constexpr int kBarrierOffset = kStages * kStageBytes;
   // The tile's column inverse scales, copied from the prepared weight's trailers at the start:
   // read from global memory in the store, each would be a round trip between two stores that
@@ -593,11 +602,13 @@ struct Pass1Tile {
   static constexpr int kColumnScaleOffset = kBarrierOffset + 2 * kStages * 8;
   static constexpr int kSmemBytes = kColumnScaleOffset + kBlockN * 4 + kWgSwizzleAlign;
   static_assert(kSmemBytes <= 227 * 1024, "within an sm_90 CTA's shared memory");
-  static_assert(kStageBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
+  static_assert(kStageBytes % kWgSwizzleAlign == 0 && kXBoxBytes % kWgSwizzleAlign == 0,
+                "swizzled tiles stay 1024-byte aligned");
   static_assert(kBlockN <= 32 * kWgConsumerWarps, "one column scale per consumer thread at most");
 };
-constexpr int kPass1MaxSmemBytes =
-    std::max(Pass1Tile<128>::kSmemBytes, Pass1Tile<256>::kSmemBytes);
+constexpr int kPass1MaxSmemBytes = std::max(
+    {Pass1Tile<128, 128>::kSmemBytes, Pass1Tile<128, 256>::kSmemBytes,
+     Pass1Tile<64, 128>::kSmemBytes});
 
 #if FPG_WGMMA_DEVICE_CODE
 // d += a * b on 64 x 256 x 16: a fp16 from registers (the m16n8k16 A fragment of each warp's 16
@@ -641,16 +652,28 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const ui
       : FPG_ACC32(0), FPG_ACC32(32)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(1));
 }
+// The same for 64 x 64 x 16: 32 accumulator floats per thread.
+__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const uint32_t* a,
+                                                       uint64_t b_descriptor) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : FPG_ACC32(0)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_descriptor), "r"(1));
+}
 #undef FPG_ACC32
 #undef FPG_ACC8
 
 #endif  // FPG_WGMMA_DEVICE_CODE
 
-template <int kBlockN>
+template <int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(kWgThreads, 1)
     certified_pass1_kernel(const GemmParams p, const __grid_constant__ TmaMaps maps) {
 #if FPG_WGMMA_DEVICE_CODE
-  using Tile = Pass1Tile<kBlockN>;
+  using Tile = Pass1Tile<kBlockM, kBlockN>;
   allow_dependent_launch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t smem_base =
@@ -664,7 +687,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kPass1BlockM;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kBlockM;
   const int split = blockIdx.z;
   const int64_t k_begin = split * p.k_per_split;
   const int64_t k_end = k_begin + p.k_per_split < p.k ? k_begin + p.k_per_split : p.k;
@@ -706,9 +729,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         // Boxes past the tensor's rows or K are zero-filled and still count their full bytes.
         const int32_t k = static_cast<int32_t>(k_begin) + kt * kPass1BlockK;
         tma_load(x_tile, &maps.x, k, static_cast<int32_t>(m0), full, x_policy);
-        tma_load(x_tile + kPass1XBoxBytes, &maps.x, k + kPass1XBoxK, static_cast<int32_t>(m0),
+        tma_load(x_tile + Tile::kXBoxBytes, &maps.x, k + kPass1XBoxK, static_cast<int32_t>(m0),
                  full, x_policy);
-        tma_load(x_tile + kPass1XTileBytes, &maps.w, k, static_cast<int32_t>(n0), full);
+        tma_load(x_tile + Tile::kXTileBytes, &maps.w, k, static_cast<int32_t>(n0), full);
       }
     }
     return;
@@ -721,15 +744,21 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     column_inverse_scale[tid - kWgProducerThreads] =
         column < p.n ? p.w_inverse_scale[column * p.w_inverse_scale_stride] : 0.f;
   }
-  const int consumer = warp / 4 - 1;  // x rows [64 c, 64 c + 64)
+  // 128 x rows: x rows [64 c, 64 c + 64), every weight row; 64: every x row, weight rows
+  // [c kWgColumns, (c + 1) kWgColumns).
+  const int consumer = warp / 4 - 1;
+  const int column0 = kBlockM == 128 ? 0 : consumer * Tile::kWgColumns;
   const int warp_in_group = warp % 4;
   const int g = lane / 4;
   const int t = lane % 4;
   // This thread's two x rows within the tile; both are g mod 8, which the swizzle XORs in.
-  const int tile_row = consumer * 64 + warp_in_group * 16 + g;
-  // Each x row's norm sums belong to one CTA of its m tile: consumer c of n tile c mod n_tiles.
-  const bool sums_rows = static_cast<int>(blockIdx.x) == consumer % static_cast<int>(gridDim.x) &&
-                         p.x_sumsq != nullptr;
+  const int tile_row = (kBlockM == 128 ? consumer * 64 : 0) + warp_in_group * 16 + g;
+  // Each x row's norm sums belong to one CTA of its m tile: consumer c of n tile c mod n_tiles
+  // (64 x rows: consumer 0 of n tile 0).
+  const bool sums_rows =
+      (kBlockM == 128 ? static_cast<int>(blockIdx.x) == consumer % static_cast<int>(gridDim.x)
+                      : blockIdx.x == 0 && consumer == 0) &&
+      p.x_sumsq != nullptr;
 
   // Byte offset, within a stage, of this thread's float2 for K positions 16 kk + 2 t + 8 q (+1) of
   // row tile_row + 8 h: the weight's copy holds those positions' columns in the order of
@@ -737,7 +766,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // 2), swizzled by g: each half-warp's 8 chunks are distinct, no bank conflict.
   auto x_offset = [&](int kk, int h, int q) {
     const int chunk = 2 * (kk % 2) + q + 4 * (t / 2);
-    return (kk / 2) * kPass1XBoxBytes + (tile_row + 8 * h) * 128 + ((chunk ^ g) << 4) + 8 * (t % 2);
+    return (kk / 2) * Tile::kXBoxBytes + (tile_row + 8 * h) * 128 + ((chunk ^ g) << 4) +
+           8 * (t % 2);
   };
   auto load_fragment = [&](int stage, int kk, float2 (&v)[2][2]) {
     const unsigned char* stage_bytes = smem + stage * Tile::kStageBytes;
@@ -811,14 +841,17 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         }
       }
     }
-    const uint32_t w_tile = smem_base + stage * Tile::kStageBytes + kPass1XTileBytes;
+    const uint32_t w_tile =
+        smem_base + stage * Tile::kStageBytes + Tile::kXTileBytes + column0 * 128;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPass1BlockK / kPass1MmaK; ++kk) {
-      if constexpr (kBlockN == 256) {
+      if constexpr (Tile::kWgColumns == 256) {
         wgmma_m64n256k16_f16_rs(acc, a[kk], swizzled_tile_descriptor(w_tile + 32 * kk));
-      } else {
+      } else if constexpr (Tile::kWgColumns == 128) {
         wgmma_m64n128k16_f16_rs(acc, a[kk], swizzled_tile_descriptor(w_tile + 32 * kk));
+      } else {
+        wgmma_m64n64k16_f16_rs(acc, a[kk], swizzled_tile_descriptor(w_tile + 32 * kk));
       }
     }
     wgmma_commit();
@@ -836,8 +869,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   const int64_t row0 = m0 + tile_row;
   consumer_barrier();  // the column scales written
-  store_certified_partial(p, acc, split, row0 - g, n0, lane, row_inverse_scale,
-                          column_inverse_scale);
+  store_certified_partial(p, acc, split, row0 - g, n0 + column0, lane, row_inverse_scale,
+                          column_inverse_scale + column0);
   if (sums_rows) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
