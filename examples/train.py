@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -186,6 +187,20 @@ def progress(step, args, losses, max_diff, trainers):
 def main(argv=None):
     args = parse_args(argv)
     device, rank, world_size = setup_device(args)
+    try:
+        return train(args, device, rank, world_size)
+    finally:
+        if args.ddp:
+            # train()'s DDP models, whose reducers hold the process group, are gone by now, so the
+            # group's last references go here and not at interpreter exit, where a gloo rank once
+            # aborted ("terminate called without an active exception", after its results were
+            # printed) while tearing its worker threads down.
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def train(args, device, rank, world_size):
+    """The training loop and its report; the exit status (1 if --compare found the models apart)."""
     log = print if rank == 0 else (lambda *a, **k: None)
     flags = "".join(f" --{flag}" for flag in ("compile", "amp", "ddp") if getattr(args, flag))
     log(f"fused_pool_gelu {fused_pool_gelu.__version__} on {device}, torch {torch.__version__}: "
@@ -231,8 +246,6 @@ def main(argv=None):
         log(f"max relative loss difference ModelNew vs Model: {max_diff:.3e} "
             f"({'within' if agree else 'BEYOND'} --tol {args.tol:g})")
         status = 0 if agree else 1
-    if args.ddp:
-        dist.destroy_process_group()
     return status
 
 
