@@ -111,8 +111,7 @@ def main(argv=None):
 
     rows = []
     for batch in args.batches:
-        torch.manual_seed(batch)
-        x = torch.rand(batch, weight.shape[1], device=device)
+        x = common.benchmark_x(batch, weight.shape[1], device)
         x_bf16 = x.to(torch.bfloat16)
         rows.append({
             "B": batch,

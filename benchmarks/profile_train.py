@@ -44,9 +44,11 @@ def graph_replay(step):
 def profile(batch, in_features, out_features, pool, calls):
     """Returns ({kernel: {"device_us", "own_us"}}, median time of one step, median time of its
     CUDA-graph replay, us)."""
-    torch.manual_seed(batch)
+    # bench_train.py's data: the parameters of Model(K, O, k, 2.0) after torch.manual_seed(0)
+    # (ModelNew's constructor draws the same), x from common.benchmark_x.
+    torch.manual_seed(0)
     model = fused_pool_gelu.ModelNew(in_features, out_features, pool, 2.0).cuda()
-    x = torch.rand(batch, in_features, device="cuda", requires_grad=True)
+    x = common.benchmark_x(batch, in_features, "cuda").requires_grad_()
 
     def step():
         model.zero_grad(set_to_none=True)
