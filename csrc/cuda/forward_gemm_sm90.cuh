@@ -553,6 +553,7 @@ struct TmaMaps {
 // The tensor core accumulates the whole split (no float32 flush: up to 128 accumulator floats per
 // thread leave no room for a second set); the bound models that chain (certified_bound).
 // ------------------------------------------------------------------------------------------------
+// x rows of pass 1's tiles beyond 64 rows (Pass1Tile's kBlockM): what bounds the grid's y extent.
 constexpr int kPass1BlockM = 128;
 constexpr int kPass1BlockK = 64;  // fp16 weight row: 128 bytes, one swizzle row
 constexpr int kPass1XBoxK = 32;   // float32 x row: 128 bytes, one swizzle row
