@@ -164,7 +164,7 @@ struct GemmParams {
   int64_t k_per_split;    // a multiple of the kernel's K step (kSimtChunkK, kTcBlockK)
   // certified_pass1_kernel only (the others leave them null): the power of two that undoes the
   // scaling of each weight row's fp16 copy, w_inverse_scale[n * w_inverse_scale_stride] (the
-  // prepared weight's trailers, prepared_weight.h); per split and x row (x_sumsq[s * rows + row],
+  // prepared weight's trailers, prepared_weight.h); per x row and split (x_sumsq[row * splits + s],
   // this launch's rows) the exponent of the row's scale in that split and the sums of squares of
   // its scaled values and of their fp16 residuals, for the error bound of the selection
   // (forward_certified.cuh).

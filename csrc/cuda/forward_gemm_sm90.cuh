@@ -882,9 +882,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       residual_squares[h] += __shfl_xor_sync(0xffffffffu, residual_squares[h], 2);
       const int64_t m = row0 + 8 * h;
       if (t == 0 && m < p.rows) {
-        p.x_sumsq[split * p.rows + m] = squares[h];
-        p.x_residual_sumsq[split * p.rows + m] = residual_squares[h];
-        p.x_scale_exponent[split * p.rows + m] = scale_exponent[h];
+        const int64_t index = m * gridDim.z + split;
+        p.x_sumsq[index] = squares[h];
+        p.x_residual_sumsq[index] = residual_squares[h];
+        p.x_scale_exponent[index] = scale_exponent[h];
       }
     }
   }
