@@ -511,9 +511,9 @@ __device__ __forceinline__ Norms x_row_norms(const SelectParams& p, int64_t row,
   float squares = 0.f, residual_squares = 0.f;
   int exponent = INT_MAX;  // no split: never the smallest
   if (mine) {
-    // Row-major by split, so that a warp's 32 lanes read one row's splits in 4 sectors (split-major,
-    // each lane's sum was a sector of its own: 8 times the row's bytes, 16% of select_rescore_kernel's
-    // stall samples at B = 128 waiting on them, Nsight Compute 2026-12-01).
+    // Row-major by split, so that a warp's 32 lanes read one row's splits in 4 sectors
+    // (split-major, each lane's sum was a sector of its own: 8 times the row's bytes, and 16% of
+    // select_rescore_kernel's stall samples at B = 128 waited on them; Nsight Compute, 2026-12-01).
     const int64_t offset = row * p.splits + lane;
     squares = __ldg(p.x_sumsq + offset);
     residual_squares = __ldg(p.x_residual_sumsq + offset);
