@@ -594,8 +594,11 @@ struct Pass1Tile {
   static constexpr int kWgColumns = kBlockM == 128 ? kBlockN : kBlockN / 2;
   static constexpr int kAccum = kWgColumns / 2;  // floats per consumer thread
   static constexpr int kStageBytes = kXTileBytes + kBlockN * kPass1BlockK * 2;
-  // 3 x 64 KB at 128 x 256, 4 x 48 KB at 128 x 128, 6 x 32 KB at 64 x 128.
-  static constexpr int kStages = kStageBytes == 64 * 1024 ? 3 : kStageBytes == 48 * 1024 ? 4 : 6;
+  // A 192 KB ring whatever the tile: 3 x 64 KB at 128 x 256, 4 x 48 KB at 128 x 128, 6 x 32 KB at
+  // 64 x 128.
+  static constexpr int kRingBytes = 192 * 1024;
+  static_assert(kRingBytes % kStageBytes == 0, "whole stages in the ring");
+  static constexpr int kStages = kRingBytes / kStageBytes;
   static constexpr int kBarrierOffset = kStages * kStageBytes;
   // The tile's column inverse scales, copied from the prepared weight's trailers at the start:
   // read from global memory in the store, each would be a round trip between two stores that
