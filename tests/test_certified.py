@@ -294,6 +294,30 @@ def test_zero_rows_and_rows_wider_than_fp16(certified, make_inputs, check_forwar
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
 
 
+
+# One row per SM or fewer (the fused kernel) and more (the selection and rescoring kernels): both
+# read each row's per-split norm sums through x_row_norms.
+@pytest.mark.parametrize("batch,in_features", [(96, 8192), (300, 4096)], ids=str)
+def test_rows_and_splits_of_different_magnitudes_keep_their_own_bounds(
+    batch, in_features, certified, make_inputs, check_forward
+):
+    # Rows 2^-24 .. 2^24 apart, and within each row K's second half 2^-16, 1 or 2^16 times the
+    # first (so the splits of a row carry different scale exponents): each row's bound must come
+    # from its own splits' sums. Scaled by powers of two, every row selects like data of magnitude
+    # 1 (test_huge_and_tiny_magnitudes); a row handed another row's sums would get a bound up to
+    # 2^48 too wide (every column rescored: count -1) or too narrow (a wrong arg-max).
+    x, weight, bias = make_inputs(batch, in_features, 512, torch.float32, DEVICE)
+    rows = torch.arange(batch, device=DEVICE)
+    row_exponent = (rows % 5 - 2) * 12
+    half_exponent = ((rows % 3) - 1) * 16
+    x = x * torch.exp2(row_exponent.float())[:, None]
+    x[:, in_features // 2:] *= torch.exp2(half_exponent.float())[:, None]
+    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    stats = (int((counts == -1).sum()), float(counts[counts >= 0].float().mean()))
+    assert bool((counts != -1).all()), stats
+    assert float(counts.float().mean()) <= 4, stats
+
 # 83 columns: the whole-row rescoring ends with a group of 3 (groups hold exactly the columns left).
 @pytest.mark.parametrize("pooled", [80, 83])
 def test_rows_with_inf_or_nan(pooled, certified, make_inputs, check_forward):
