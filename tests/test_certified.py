@@ -294,7 +294,6 @@ def test_zero_rows_and_rows_wider_than_fp16(certified, make_inputs, check_forwar
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
 
 
-
 # One row per SM or fewer (the fused kernel) and more (the selection and rescoring kernels): both
 # read each row's per-split norm sums through x_row_norms.
 @pytest.mark.parametrize("batch,in_features", [(96, 8192), (300, 4096)], ids=str)
@@ -317,6 +316,7 @@ def test_rows_and_splits_of_different_magnitudes_keep_their_own_bounds(
     stats = (int((counts == -1).sum()), float(counts[counts >= 0].float().mean()))
     assert bool((counts != -1).all()), stats
     assert float(counts.float().mean()) <= 4, stats
+
 
 # 83 columns: the whole-row rescoring ends with a group of 3 (groups hold exactly the columns left).
 @pytest.mark.parametrize("pooled", [80, 83])
