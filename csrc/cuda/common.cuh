@@ -58,6 +58,22 @@ __device__ __forceinline__ void prefetch_to_l2(const void* p, uint32_t bytes) {
 #endif
 }
 
+// A load of read-only data whose line L2 evicts before the others (createpolicy evict_first:
+// data read once, which should not push out data read again); elsewhere a plain __ldg.
+__device__ __forceinline__ float4 ldg_evict_first(const float4* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  float4 v;
+  asm("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;\n"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "l"(p), "l"(policy));
+  return v;
+#else
+  return __ldg(p);
+#endif
+}
+
 // A launch of `blocks` x `threads` on `stream`, as a programmatic dependent of the kernel before it
 // when `dependent` (the device supports it: compute capability 9.0 or later). `attribute` must
 // outlive the launch call.

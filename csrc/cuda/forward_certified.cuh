@@ -749,7 +749,10 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
   // so that at K = 8192 a row's x and its first two candidates are one round trip.
 #pragma unroll((kColumns <= 2 ? 4 : 2) * (kDeepLoads ? 2 : 1))
   for (int64_t i = thread; i < p.k4; i += kThreads) {
-    const float4 a = __ldg(x_row + i);
+    // x's row is read once per group of its candidates, a weight row by every row that has it as a
+    // candidate: from B ~ 1024 the two no longer fit L2 together, and x's lines should go first.
+    // (The fused kernel's few rows fit L2 many times over, and the policy's registers spill there.)
+    const float4 a = kDeepLoads ? __ldg(x_row + i) : ldg_evict_first(x_row + i);
 #pragma unroll
     for (int g = 0; g < kColumns; ++g) {
       const float4 b = __ldg(w_rows[g] + i);
