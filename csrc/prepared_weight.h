@@ -66,8 +66,9 @@ constexpr int64_t prepared_bytes(int64_t rows, int64_t in_features) {
 }
 
 // The scale exponents stay within +-63, so that a weight row's and an x row's inverse scales
-// multiply to a normal float (forward_certified.cuh); rows whose largest magnitude is above 2^77
-// then overflow fp16 (an infinite norm: the forward rescores every column of every row).
+// multiply to a normal float (forward_certified.cuh); rows whose largest magnitude is about 2^79
+// (65520 x 2^63) or more then overflow fp16 (an infinite norm: the forward rescores every column
+// of every row).
 constexpr int kPreparedMaxScaleExponent = 63;
 
 // The trailer's float32 slots.

@@ -161,11 +161,15 @@ inline bool is_aligned(const void* ptr, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
 }
 
-// Blocks of `per_block` work items covering `items`, checked against gridDim.x's 2^31 - 1 limit.
-inline unsigned int grid_blocks(int64_t items, int64_t per_block) {
+// gridDim.x's limit.
+constexpr int64_t kMaxGridX = 0x7fffffff;
+
+// Blocks of `per_block` items covering `items` (`what` they are, named in the error), checked
+// against gridDim.x's limit.
+inline unsigned int grid_blocks(int64_t items, int64_t per_block, const char* what = "work items") {
   const int64_t blocks = ceil_div(items, per_block);
-  TORCH_CHECK(blocks <= int64_t{0x7fffffff}, "fused_pool_gelu: ", items,
-              " work items need more than 2^31 - 1 CUDA blocks");
+  TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu: ", items, " ", what, " need ", blocks,
+              " CUDA blocks of ", per_block, ", more than gridDim.x's limit of ", kMaxGridX);
   return static_cast<unsigned int>(blocks);
 }
 

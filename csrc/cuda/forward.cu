@@ -27,6 +27,7 @@
 // No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
 // through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph
 // capturable.
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -68,7 +69,7 @@ namespace {
 namespace fg = forward_gemm;
 
 // ------------------------------------------------------------------------------------------------
-// Tuning knobs (first guesses for an H200; to be measured).
+// Tuning knobs (measured on an H200 where a comment says so).
 // ------------------------------------------------------------------------------------------------
 
 // Batches up to this size take the SIMT GEMV (exact fp32 FMA; the weight is streamed once and the
@@ -202,6 +203,7 @@ constexpr int kSimtMaxCtasPerSm = 4;
 // 16.0 -> 11.6 / 13.5; mma.sync (FUSED_POOL_GELU_FORCE_MMA_SYNC) 19.4 / 21.2 -> 7.5 / 9.0 at 128
 // x 2048; the default shape's plans unchanged.)
 constexpr int64_t kTcMaxSplits = 64;
+constexpr int64_t kTcMaxSplitWaves = 4;
 // The certified pass 1 plans its splits the same way but keeps at least 8 of its 64-wide K tiles
 // per split, as it was measured (K < 4096 at B >= 257 only: shorter splits there are untried);
 // for the fused rows (certified_fused_rows) at least 4: at B = 128, K = 8192, N = 512 its 128 x 128
@@ -214,11 +216,10 @@ constexpr int64_t kPass1FusedMinKTilesPerSplit = 4;
 // tiles per column tile read a third more from L2 per CTA than one of 128 (x's tile for half the
 // columns): pass 1 9.2 -> 10.2 us (NOTES, 2026-12-01).
 constexpr int64_t kPass1SmallTileMaxBatch = 64;
-constexpr int64_t kTcMaxSplitWaves = 4;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
 // partials of one row is spread over many threads; a warp per row once B alone fills the GPU
-// (8192 rows = 8192 warps = 64 per SM on 132 SMs).
+// (8192 rows = 8192 warps, ~62 per SM on 132 SMs).
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
@@ -270,8 +271,7 @@ static_assert(std::max(certified::kMaxSplits, certified::kFusedMaxSplits) * kMax
 // look-ahead, must fit an int in the GEMV kernel.
 constexpr int64_t kMaxInFeatures = std::numeric_limits<int>::max() - 2 * fg::kSimtChunkK;
 
-// Grid limits.
-constexpr int64_t kMaxGridX = 2147483647;
+// gridDim.y's and gridDim.z's limit (gridDim.x's: common.cuh).
 constexpr int64_t kMaxGridYZ = 65535;
 
 // ------------------------------------------------------------------------------------------------
@@ -702,8 +702,7 @@ fg::GemmParams gemm_params(const Operand& x, const Operand& w, float* partial, i
 
 void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float* partial,
                  int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
-  const int64_t n_tiles = ceil_div(n, int64_t{fg::kSimtRowsPerCta});
-  TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
+  const unsigned n_tiles = grid_blocks(n, fg::kSimtRowsPerCta, "weight rows");
   // Batch tiles go on grid z (at most 65535): larger batches (only on devices without the
   // tensor-core kernel) are launched in slices of rows.
   const int64_t rows_per_launch = kMaxGridYZ * plan.batch_tile;
@@ -712,7 +711,7 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
     for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
       const fg::GemmParams p = gemm_params(x, w, partial, batch, n, k_padded,
                                            plan.split_k.k_per_split, row0, rows_per_launch);
-      const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(plan.split_k.splits),
+      const dim3 grid(n_tiles, static_cast<unsigned>(plan.split_k.splits),
                       static_cast<unsigned>(ceil_div(p.rows, int64_t{kTile})));
       fg::simt_splitk_kernel<kTile>
           <<<grid, fg::kSimtThreads, fg::simt_smem_bytes<kTile>(), stream>>>(p);
@@ -723,11 +722,10 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
 
 void launch_tc_gemv(const SplitK& plan, const Operand& x, const Operand& w, float* partial,
                     int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
-  const int64_t n_tiles = ceil_div(n, int64_t{fg::kTcGemvRowsPerCta});
-  TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
+  const unsigned n_tiles = grid_blocks(n, fg::kTcGemvRowsPerCta, "weight rows");
   const fg::GemmParams p =
       gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
-  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(plan.splits),
+  const dim3 grid(n_tiles, static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcGemvBatchTile})));
   fg::tf32x3_gemv_splitk_kernel<<<grid, fg::kTcGemvThreads, fg::kTcGemvSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -745,12 +743,11 @@ bool use_rowwise(const DeviceInfo& info, int64_t batch, int64_t n) {
 
 void launch_rowwise(const Operand& x, const Operand& w, float* dot_products, int64_t batch,
                     int64_t n, int64_t k_padded, cudaStream_t stream) {
-  const int64_t ctas = ceil_div(n, int64_t{fg::kRowwiseRows});
-  TORCH_CHECK(ctas <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
+  const unsigned ctas = grid_blocks(n, fg::kRowwiseRows, "weight rows");
   const fg::GemmParams p = gemm_params(x, w, dot_products, batch, n, k_padded, k_padded, 0, batch);
   auto launch = [&](auto batch_tile) {
     constexpr int kBatch = decltype(batch_tile)::value;
-    fg::rowwise_gemv_kernel<kBatch><<<static_cast<unsigned>(ctas), fg::kRowwiseThreads,
+    fg::rowwise_gemv_kernel<kBatch><<<ctas, fg::kRowwiseThreads,
                                       fg::rowwise_smem_bytes(kBatch), stream>>>(p);
   };
   if (batch <= 1) {
@@ -765,8 +762,7 @@ void launch_rowwise(const Operand& x, const Operand& w, float* dot_products, int
 
 void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* partial,
                int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
-  const int64_t n_tiles = ceil_div(n, int64_t{fg::kTcBlockN});
-  TORCH_CHECK(n_tiles <= kMaxGridX, "fused_pool_gelu.forward: weight has too many rows (", n, ")");
+  const unsigned n_tiles = grid_blocks(n, fg::kTcBlockN, "weight rows");
   TORCH_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
               " splits");
   // Row tiles go on grid y (at most 65535). A workspace slice holds at most kMaxWorkspaceFloats
@@ -778,7 +774,7 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
       gemm_params(x, w, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
   // n tiles fastest: the CTAs running together share x row tiles, and the weight (N x K, the
   // smaller operand at large B) stays in L2 while the batch is swept.
-  const dim3 grid(static_cast<unsigned>(n_tiles),
+  const dim3 grid(n_tiles,
                   static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcBlockM})),
                   static_cast<unsigned>(plan.splits));
   if (plan.wgmma) {
@@ -892,7 +888,8 @@ void norm_constants(int64_t k_padded, double depth, float& squares_floor, float&
   norm_slack = round_up_to_float(1.0 + gamma(depth, 0x1p-24) + 0x1p-22);
 }
 
-// The bound's constants (see the certified section), computed in double and rounded up.
+// The bound's constants (forward_certified.cuh's top, steps 1-6), computed in double and rounded
+// up.
 // chain_products: products a tensor-core accumulation chain sums before pass 1 adds it into
 // float32 registers (a whole split when it never flushes).
 certified::Bound certified_bound(int64_t k_padded, int64_t splits, int64_t chain_products) {
@@ -929,13 +926,16 @@ bool certified_fused_rows(const DeviceInfo& info, int64_t batch) { return batch 
 
 // Where the certified path can run: the wgmma kernels available, float32, a batch the pass-1 grid
 // serves in one launch and one workspace slice, N <= kMaxSelectColumns (the selection's shared
-// memory), a finite non-zero scale, and K <= 2^20 (the bound's gamma terms stay far below 1).
+// memory), a finite non-zero scale, and 0 < K <= kCertifiedMaxInFeatures.
+// K's limit keeps the bound's gamma terms far below 1.
+constexpr int64_t kCertifiedMaxInFeatures = int64_t{1} << 20;
 bool certified_applies(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
                        int64_t batch, int64_t n, int64_t k_padded, double scale) {
   return info.wgmma_ctas_per_sm > 0 && !force_mma_sync() && x.scalar_type() == at::kFloat &&
          weight.scalar_type() == at::kFloat && batch > kSimtMaxBatch &&
          batch <= kMaxGridYZ * fg::kPass1BlockM && n <= certified::kMaxSelectColumns &&
-         rows_per_slice(batch, n) == batch && k_padded > 0 && k_padded <= (int64_t{1} << 20) &&
+         rows_per_slice(batch, n) == batch && k_padded > 0 &&
+         k_padded <= kCertifiedMaxInFeatures &&
          std::isfinite(scale) && scale != 0.0;
 }
 
@@ -1013,8 +1013,8 @@ struct Selection {
 // Calls f(std::integral_constant<int, bound>) with the smallest power of two bound at or above
 // splits, kMaxBound for anything above it: the kernels that sum split partials with all their
 // loads at once (sum_few_splits, load_split_partials) are compiled for these bounds (the certified
-// selection, forward_certified.cuh, up to certified::kMaxSplits; the epilogue up to
-// kEpilogueMaxSplitBound).
+// selection, forward_certified.cuh, up to certified::kMaxSplits and its fused select_rescore_kernel
+// up to certified::kFusedMaxSplits; the epilogue up to kEpilogueMaxSplitBound).
 template <int kMaxBound, int kBound = 1, typename F>
 void dispatch_split_bound(int64_t splits, F&& f) {
   static_assert(kMaxBound > 0 && (kMaxBound & (kMaxBound - 1)) == 0, "a power of two");
@@ -1037,7 +1037,6 @@ void launch_prepare(const Operand& w, int64_t n, int64_t k_padded, uint8_t* prep
   certified::PrepareParams params{};
   params.w = w.data;
   params.ldw = w.ld;
-  params.n = n;
   params.k4 = k_padded / 4;
   params.copy_halves = prepared_copy_halves(k_padded);
   params.copy = reinterpret_cast<__half*>(prepared);
@@ -1075,7 +1074,6 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
   rescore.k4 = k_padded / 4;
   rescore.bias = bias;
   rescore.scale = scale;
-  rescore.batch = batch;
   rescore.n = n;
   rescore.candidates = selection.candidates();
   rescore.rescore_rows = selection.rescore_rows();
@@ -1109,7 +1107,7 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
   cudaLaunchAttribute rescore_attribute{};
   const cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, rescore_attribute);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel<float>, rescore,
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel, rescore,
                                     outputs.out, outputs.argmax, outputs.preactivation));
 }
 
@@ -1236,8 +1234,7 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
     constexpr int kThreadsPerRow = decltype(threads_per_row)::value;
     constexpr int kCtaThreads = epilogue_cta_threads(kThreadsPerRow);
     constexpr int kRowsPerCta = kCtaThreads / kThreadsPerRow;
-    const int64_t blocks = ceil_div(p.batch, int64_t{kRowsPerCta});
-    TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu.forward: batch too large (", p.batch, ")");
+    const int64_t blocks = grid_blocks(p.batch, kRowsPerCta, "rows of x");
     cudaLaunchAttribute attribute{};
     cudaLaunchConfig_t config =
         dependent_launch_config(blocks, kCtaThreads, stream, attribute, dependent_launch);
@@ -1346,21 +1343,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     at::Tensor out_slice = rows_of(out);
     at::Tensor argmax_slice = rows_of(argmax);
     at::Tensor preactivation_slice = rows_of(preactivation);
-    switch (x.scalar_type()) {
-      case at::kFloat:
-        launch_epilogue<float>(p, out_slice, argmax_slice, preactivation_slice, info, pdl,
-                               stream);
-        break;
-      case at::kHalf:
-        launch_epilogue<at::Half>(p, out_slice, argmax_slice, preactivation_slice, info, pdl,
-                                  stream);
-        break;
-      case at::kBFloat16:
-        launch_epilogue<at::BFloat16>(p, out_slice, argmax_slice, preactivation_slice, info,
-                                      pdl, stream);
-        break;
-      default: TORCH_CHECK(false, "fused_pool_gelu.forward: unreachable dtype ", x.scalar_type());
-    }
+    FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward", [&] {
+      launch_epilogue<scalar_t>(p, out_slice, argmax_slice, preactivation_slice, info, pdl, stream);
+    });
   }
   return {out, argmax, preactivation};
 }
@@ -1377,8 +1362,10 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
               "fused_pool_gelu._certified_candidate_counts: the certified path does not apply "
               "here (it needs an sm_90a build on a compute capability 9.0 GPU, "
               "FUSED_POOL_GELU_FORCE_MMA_SYNC unset, float32, ", kSimtMaxBatch + 1,
-              " <= batch, one workspace slice, N <= ", certified::kMaxSelectColumns,
-              ", K <= 2^20 and a finite non-zero scale)");
+              " <= batch, one workspace slice, N <= ", certified::kMaxSelectColumns, ", 0 < K <= ",
+              kCertifiedMaxInFeatures, " and a finite non-zero scale), got ", x.scalar_type(),
+              " x and ", weight.scalar_type(), " weight, batch ", batch, ", N ", n, ", K ",
+              x.size(1), ", scale ", scale);
   at::Tensor bias_f32;
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
   const Operand x_op = as_kernel_operand(x, k_padded);

@@ -25,17 +25,19 @@
 //  2. Products of two 11-bit significands are exact in float32, and none is subnormal (normal
 //     fp16 values are multiples of 2^-24 of at least 2^-14, so every sum of their products is 0
 //     or at least 2^-48).
-//  3. Tensor-core accumulation. Model (DESIGN.md; Fasi et al. 2021 measured tensor cores aligning
-//     the addends to the largest exponent and truncating): one k8 step adds its 8 products to the
-//     accumulator with an error below 10 u (|acc| + sum |p|), u = 2^-23 (9 aligned addends, one
-//     normalization). A k16 step of fp16 wgmma adds its 16 products as one block (17 aligned
-//     addends: below 18 u) or as two such k8 steps: either way within the k8 model applied twice.
+//  3. Tensor-core accumulation. Model (DESIGN.md's u = 2^-23 for tensor cores; Fasi et al. 2021
+//     measured tensor cores aligning the addends to the largest exponent and truncating): one k8
+//     step adds its 8 products to the accumulator with an error below 10 u (|acc| + sum |p|),
+//     u = 2^-23 (9 aligned addends, one normalization). A k16 step of fp16 wgmma adds its 16
+//     products as one block (17 aligned addends: below 18 u) or as two such k8 steps: either way
+//     within the k8 model applied twice.
 //     A chain of m k8 steps (C = 8 m products, from a zeroed accumulator to the float32
 //     registers it is stored from) then errs by at most ((1 + 10 u)^m - 1) sum |p| <= g_tc sum |p|,
 //     g_tc = gamma_m(10 u) (each step's error is at most 10 u times sums that earlier steps grew by
-//     at most (1 + 10 u) each). C is a whole split in certified_pass1_kernel: its 128 accumulator
-//     floats per thread leave no room for a second set to flush into (at the default shape, 1024
-//     products: g_tc ~ 2^-12.7, next to the operands' ~2^-12 with the residual norms).
+//     at most (1 + 10 u) each). C is a whole split in certified_pass1_kernel: its up to 128
+//     accumulator floats per thread (128 x 256 tiles) leave no room for a second set to flush
+//     into (at the default shape, 1024 products: g_tc ~ 2^-12.7, next to the operands' ~2^-12
+//     with the residual norms).
 //  4. Unscaling: 2^-(e_x,s + e_w) is a normal float (|e_x,s + e_w| <= 2 kMaxScaleExponent < 127),
 //     so the product is exact unless it is subnormal: 2^-150 per split partial. Scaling by a power
 //     of two carries 1-3 over to the original units exactly (residuals included: r 2^-e).
@@ -162,8 +164,8 @@ struct SelectParams {
   const __nv_bfloat16* partial;  // [splits, batch, n]
   int split_stride;       // batch * n
   int splits;
-  // [splits, batch] each: pass 1's sums of squares of x's scaled rows and of their residuals, and
-  // the scales' exponents (x_row_norms)
+  // [batch, splits] each (row-major by split): pass 1's sums of squares of x's scaled rows and of
+  // their residuals, and the scales' exponents (x_row_norms)
   const float* x_sumsq;
   const float* x_residual_sumsq;
   const int* x_scale_exponent;
@@ -195,7 +197,8 @@ struct SelectParams {
 constexpr int kRescoreHeavyCandidates = 2;
 
 // The kernels below that sum pass 1's splits are compiled for a bound kSplitBound on the split
-// count (1, 2, 4 or kMaxSplits, the smallest at or above it: forward.cu's dispatch_split_bound), so
+// count (the smallest of 1, 2, 4, ... at or above it, up to kMaxSplits for select_candidates_kernel
+// and kFusedMaxSplits for select_rescore_kernel: forward.cu's dispatch_split_bound), so
 // that their loads are all issued at once and a call with fewer splits issues few loads past its
 // last split (B = 4096 takes two splits: one kernel for up to 8 made its selection 24.2 -> 28.0
 // us). A chain of S dependent loads per column (the first version's split sums of squares) made
@@ -252,19 +255,19 @@ __device__ __forceinline__ SplitSum add_splits(const SelectParams& p,
   return sum;
 }
 
-// z~ and its bound E for one column (b: its bias, or 0); false when either is not finite or the
-// norms are too large for the analysis.
-__device__ __forceinline__ bool column_interval(const SelectParams& p, SplitSum partials, float b,
-                                               Norms x, Norms w, float& z, float& e) {
-  z = partials.value + b;
+// z~ and its bound E for one column (bias: its bias, or 0); false when either is not finite or
+// the norms are too large for the analysis.
+__device__ __forceinline__ bool column_interval(const SelectParams& p, SplitSum partials,
+                                               float bias, Norms x, Norms w, float& z, float& e) {
+  z = partials.value + bias;
   const float product = __fmul_ru(x.value, w.value);
   const float operand = __fadd_ru(__fmul_ru(x.value, w.residual),
                                   __fmul_ru(x.residual, __fadd_ru(w.value, w.residual)));
-  e = __fmaf_ru(p.bound.bias, fabsf(b), p.bound.absolute);
+  e = __fmaf_ru(p.bound.bias, fabsf(bias), p.bound.absolute);
   e = __fmaf_ru(p.bound.storage, partials.magnitude, e);
   e = __fmaf_ru(p.bound.accumulation, product, e);
   e = __fmaf_ru(p.bound.operand, operand, e);
-  e = __fadd_ru(e, __fmul_ru(p.bound.rescore, __fadd_ru(product, fabsf(b))));
+  e = __fadd_ru(e, __fmul_ru(p.bound.rescore, __fadd_ru(product, fabsf(bias))));
   // Below 2^120 no partial sum of pass 1 or of the rescoring (each at most ~||x|| ||w||) can
   // overflow, which the error analysis assumes.
   return isfinite(z) && isfinite(e) && product < 0x1p120f;
@@ -306,10 +309,10 @@ __device__ __forceinline__ void value_interval(float z, float e, float scale, fl
 // the bound or in gelu * scale included): the row is then rescored whole, never compared with a
 // NaN.
 __device__ __forceinline__ bool column_value_interval(const SelectParams& p, SplitSum partials,
-                                                      float b, Norms x, Norms w, float& lo,
+                                                      float bias, Norms x, Norms w, float& lo,
                                                       float& hi) {
   float z, e;
-  if (!column_interval(p, partials, b, x, w, z, e)) return false;
+  if (!column_interval(p, partials, bias, x, w, z, e)) return false;
   value_interval(z, e, p.scale, lo, hi);
   return isfinite(lo) && isfinite(hi);
 }
@@ -369,10 +372,12 @@ __device__ __forceinline__ float2 block_sum(float2 v, float2* s_partial) {
 }
 
 // The fp16 copies' scale exponents stay within +-kMaxScaleExponent, so that a row's and a
-// column's inverse scales multiply to a normal float (forward_gemm_sm90.cuh's store_partial). Rows
-// whose largest |v| is above 2^77 then overflow fp16 (an infinite z~ or norm: the row is rescored
-// whole) and rows below 2^-49 are scaled less than they could be (more of them flushed, a larger
-// residual, more candidates): correct either way.
+// column's inverse scales multiply to a normal float (forward_gemm_sm90.cuh's
+// store_certified_partial). Past the clamp, rows are scaled less than their target: from a
+// largest |v| of 2^78 (the weight's copy, target 2^14) or 2^74 (x, kPass1XScaleTarget), and from
+// about 2^79 (65520 x 2^63) they overflow fp16 (an infinite z~ or norm: the row is rescored
+// whole); rows below 2^-49 (x: 2^-53) are scaled less than they could be (more of them flushed, a
+// larger residual, more candidates): correct either way.
 constexpr int kMaxScaleExponent = kPreparedMaxScaleExponent;
 
 // The exponent e of a row's scale 2^e (see the top): its largest magnitude times 2^e lands in
@@ -398,9 +403,8 @@ __device__ __forceinline__ float norm_from_squares(float squares, float squares_
 }
 
 struct PrepareParams {
-  const float* w;         // [n, k_padded], row stride ldw
+  const float* w;         // [n, k_padded], row stride ldw (a CTA per row)
   int64_t ldw;
-  int64_t n;
   int64_t k4;             // k_padded / 4
   int64_t copy_halves;    // prepared_copy_halves(k_padded), a multiple of 64
   __half* copy;           // [n, copy_halves] (prepared_weight.h)
@@ -504,9 +508,8 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
 // (addition commutes, its rounding too), so every lane ends with the same bits. A sum in split
 // order (lane s's term broadcast, then added) was 32 dependent shuffle-and-add steps per sum:
 // 13% of select_rescore_kernel's stall samples at B = 128 (NOTES, 2026-12-01).
-template <int kSplitBound>
+// One lane per split: at most 32 (static_assert at kFusedMaxSplits).
 __device__ __forceinline__ Norms x_row_norms(const SelectParams& p, int64_t row, int lane) {
-  static_assert(kSplitBound <= 32, "one lane per split");
   const bool mine = lane < p.splits;
   float squares = 0.f, residual_squares = 0.f;
   int exponent = INT_MAX;  // no split: never the smallest
@@ -616,11 +619,11 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
     // `if (first_column < p.n)` ptxas converted the bfloat16 partials inside the branch, so it
     // waited for them before the x norms' loads were issued, a round trip of its own (SASS).
     load_step(min(first_column, p.n - kColumnsPerThread));
-    x_norms = x_row_norms<kSplitBound>(p, row, lane);
+    x_norms = x_row_norms(p, row, lane);
     if (threadIdx.x == 0) scratch.count = 0;  // first used after block_max's barrier
   } else {
     if (warp == 0) {
-      const Norms norms = x_row_norms<kSplitBound>(p, row, lane);
+      const Norms norms = x_row_norms(p, row, lane);
       if (lane == 0) {
         scratch.x_norms = norms;
         scratch.count = 0;
@@ -702,7 +705,6 @@ struct RescoreParams {
   int64_t k4;             // k_padded / 4
   const float* bias;      // [n] or nullptr
   float scale;
-  int64_t batch;
   int64_t n;
   const int* candidates;
   const int* rescore_rows;    // SelectParams'
@@ -713,13 +715,6 @@ struct RescoreParams {
 // rows are in flight per thread.
 constexpr int kGroup = 4;
 
-// x[row] . w[cols[g]] in float32 for the kColumns columns of a group: per thread an FMA chain over
-// every 256th group of 4 floats, then the threads' sums in a fixed tree. Every column's arithmetic
-// is the same whichever slot or group it is in (deterministic, and the same function for every
-// column, which the selection's argument needs). A group holds exactly the row's next columns, no
-// placeholder: most rows have 1-2 candidates (1.74 on average on the benchmarks' data at B =
-// 1024), and a fixed group of 4 read a placeholder weight row for each empty slot (with the
-// earlier bound's 4.05 candidates: 7.5 row reads of 32 KB per row instead of 5.7).
 // A barrier over the kThreads threads of rescoring group `group` of a CTA of kGroups such groups
 // (rescore_row): the CTA's own when there is one group, else named barrier 1 + group.
 template <int kGroups>
@@ -731,6 +726,13 @@ __device__ __forceinline__ void group_barrier(int group) {
   }
 }
 
+// x[row] . w[cols[g]] in float32 for the kColumns columns of a group: per thread an FMA chain over
+// every 256th group of 4 floats, then the threads' sums in a fixed tree. Every column's arithmetic
+// is the same whichever slot or group it is in (deterministic, and the same function for every
+// column, which the selection's argument needs). A group holds exactly the row's next columns, no
+// placeholder: most rows have 1-2 candidates (1.74 on average on the benchmarks' data at B =
+// 1024), and a fixed group of 4 read a placeholder weight row for each empty slot (with the
+// earlier bound's 4.05 candidates: 7.5 row reads of 32 KB per row instead of 5.7).
 template <int kColumns, bool kDeepLoads, int kGroups>
 __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float4* x_row,
                                              const int64_t* cols, float* dots,
@@ -793,11 +795,11 @@ struct RescoreScratch {
 // mod kGroups = g), then the arg-max with torch.max's rule, written by thread 0. Each column's dot
 // product is rescore_dots' whatever the group, so the result does not depend on kGroups (and the
 // rule orders by value, then index, whichever group found a column).
-template <bool kDeepLoads, int kGroups, typename out_t>
+template <bool kDeepLoads, int kGroups>
 __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row, int count,
                                             const int* candidates,
-                                            RescoreScratch<kGroups>& scratch, out_t* out,
-                                            int64_t* argmax, out_t* preactivation) {
+                                            RescoreScratch<kGroups>& scratch, float* out,
+                                            int64_t* argmax, float* preactivation) {
   // (One group: the CTA is kThreads threads, which the compiler cannot know from threadIdx.)
   const int group = kGroups == 1 ? 0 : static_cast<int>(threadIdx.x) / kThreads;
   const int thread = kGroups == 1 ? static_cast<int>(threadIdx.x)
@@ -826,8 +828,8 @@ __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row,
       for (int g = 0; g < kGroup; ++g) early_bias[g] = load_bias(g);
     }
     float dots[kGroup];
-    auto dots_of = [&](auto columns) {
-      rescore_dots<decltype(columns)::value, kDeepLoads, kGroups>(
+    auto dots_of = [&](auto column_count) {
+      rescore_dots<decltype(column_count)::value, kDeepLoads, kGroups>(
           p, x_row, cols, dots, scratch.sum[group], thread, group);
     };
     switch (size) {
@@ -854,9 +856,9 @@ __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row,
     }
   }
   if (threadIdx.x == 0) {
-    out[row] = static_cast<out_t>(best.value);
+    out[row] = best.value;
     argmax[row] = best.index;
-    preactivation[row] = static_cast<out_t>(best.z);
+    preactivation[row] = best.z;
   }
 }
 
@@ -866,10 +868,9 @@ __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row,
 // 40.6 -> 34.5 us at B = 1024, 123.7 -> 106.9 at 4096 on the H200). ptxas -v reports 16 bytes of
 // spill stores and 56 of loads at that cap; Nsight Compute counted 75 K local-memory requests at B
 // = 1024, ~0.3 per thread, so none sits in the K loop.
-template <typename out_t>
 __global__ void __launch_bounds__(kThreads, 4)
-    rescore_kernel(const RescoreParams p, out_t* __restrict__ out, int64_t* __restrict__ argmax,
-                   out_t* __restrict__ preactivation) {
+    rescore_kernel(const RescoreParams p, float* __restrict__ out, int64_t* __restrict__ argmax,
+                   float* __restrict__ preactivation) {
   wait_for_previous_grid();  // the selection's writes
   __shared__ RescoreScratch<1> scratch;
   const int64_t row = p.rescore_rows[blockIdx.x];
@@ -881,6 +882,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 // one per SM), so pass 1 fills the GPU by splitting K finely, and a thread loads each column's
 // partials of every split at once (load_split_partials: 32 registers, one column per thread).
 constexpr int kFusedMaxSplits = 32;
+static_assert(kMaxSplits <= 32 && kFusedMaxSplits <= 32, "x_row_norms: one lane per split");
 // select_rescore_kernel's CTA: two rescoring groups of kThreads.
 constexpr int kFusedGroups = 2;
 constexpr int kFusedThreads = kFusedGroups * kThreads;
