@@ -96,20 +96,22 @@ inline void check_fold_backward_inputs(const at::Tensor& grad_pooled_weight,
                    grad_pooled_weight);
 }
 
-// forward_with_argmax(x [B, K], weight [N, K], bias [N] or None, scale).
+// The tensors of forward_with_argmax(x [B, K], weight [N, K], bias [N] or None, scale). op and
+// weight_name: the op and the weight's argument named in errors (the backward ops check the same
+// inputs).
 inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
-                                 const c10::optional<at::Tensor>& bias) {
-  const char* op = "forward";
+                                 const c10::optional<at::Tensor>& bias, const char* op = "forward",
+                                 const char* weight_name = "weight") {
   check_rank(op, "x", x, 2, "[batch, in_features]");
-  check_rank(op, "weight", weight, 2, "[pooled_features, in_features]");
-  TORCH_CHECK(weight.size(1) == x.size(1),
-              "fused_pool_gelu.forward: weight must be [pooled_features, in_features] with "
-              "in_features = x.size(1) = ", x.size(1), ", got shape ", weight.sizes());
-  TORCH_CHECK(weight.size(0) >= 1,
-              "fused_pool_gelu.forward: weight must have at least one row (pooled feature) to take "
-              "the max over, got shape ", weight.sizes());
-  check_same_device(op, "weight", weight, "x", x);
-  check_same_dtype(op, "weight", weight, "x", x);
+  check_rank(op, weight_name, weight, 2, "[pooled_features, in_features]");
+  TORCH_CHECK(weight.size(1) == x.size(1), "fused_pool_gelu.", op, ": ", weight_name,
+              " must be [pooled_features, in_features] with in_features = x.size(1) = ", x.size(1),
+              ", got shape ", weight.sizes());
+  TORCH_CHECK(weight.size(0) >= 1, "fused_pool_gelu.", op, ": ", weight_name,
+              " must have at least one row (pooled feature) to take the max over, got shape ",
+              weight.sizes());
+  check_same_device(op, weight_name, weight, "x", x);
+  check_same_dtype(op, weight_name, weight, "x", x);
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
     TORCH_CHECK(b.dim() == 1 && b.size(0) == weight.size(0),
@@ -130,14 +132,15 @@ inline void check_prepare_weight_inputs(const at::Tensor& weight) {
 
 // forward_backward(grad_out [B]?, grad_preactivation [B]?, x [B, K], weight [N, K],
 //                  argmax [B] int64, preactivation [B], scale).
-// op: the op named in errors (model_backward checks the same inputs).
+// op and weight_name: as check_forward_inputs' (model_backward checks the same inputs).
 inline void check_forward_backward_inputs(const c10::optional<at::Tensor>& grad_out,
                                           const c10::optional<at::Tensor>& grad_preactivation,
                                           const at::Tensor& x, const at::Tensor& weight,
                                           const at::Tensor& argmax,
                                           const at::Tensor& preactivation,
-                                          const char* op = "forward_backward") {
-  check_forward_inputs(x, weight, c10::nullopt);
+                                          const char* op = "forward_backward",
+                                          const char* weight_name = "weight") {
+  check_forward_inputs(x, weight, c10::nullopt, op, weight_name);
   const int64_t batch = x.size(0);
   auto check_batch_vector = [&](const char* name, const at::Tensor& t) {
     TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, "fused_pool_gelu.", op, ": ", name,
@@ -166,7 +169,7 @@ inline void check_model_backward_inputs(const at::Tensor& grad_out, const at::Te
                                         const at::Tensor& preactivation, int64_t out_features,
                                         int64_t pool_kernel_size) {
   check_forward_backward_inputs(grad_out, c10::nullopt, x, pooled_weight, argmax, preactivation,
-                                "model_backward");
+                                "model_backward", "pooled_weight");
   check_unfolded_shape("model_backward", "pooled_weight", pooled_weight, out_features,
                        pool_kernel_size);
 }

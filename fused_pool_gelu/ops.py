@@ -60,9 +60,10 @@ def forward(
     """``out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n])`` on the pooled weight.
 
     x ``[B, K]`` (any strides), weight ``[N, K]`` (the pooled weight from :func:`fold`),
-    bias ``[N]`` or None, prepared_weight ``prepare_weight(weight)`` or None (same result,
-    faster at large batch on CUDA). Exact-erf GELU; max with torch.max semantics (a NaN in a row
-    makes that row NaN). Differentiable in x, weight and bias.
+    bias ``[N]`` or None, prepared_weight ``prepare_weight(weight)`` or None (float32-accurate
+    either way, faster with it at large batch on CUDA; where it moves the call onto the certified
+    path the last bits can differ, see :func:`prepare_weight`). Exact-erf GELU; max with
+    torch.max semantics (a NaN in a row makes that row NaN). Differentiable in x, weight and bias.
     """
     return _ops.forward(x, weight, bias, scale, prepared_weight)
 
@@ -113,8 +114,8 @@ def _fold_fake(weight, bias, pool_kernel_size):
     _check(pool_kernel_size >= 1, f"fold: pool_kernel_size must be >= 1, got {pool_kernel_size}")
     _check(
         pool_kernel_size <= weight.shape[0],
-        f"fold: pool_kernel_size must be <= out_features ({weight.shape[0]}), "
-        f"got {pool_kernel_size}",
+        f"fold: pool_kernel_size must be <= out_features ({weight.shape[0]}) so that at least one "
+        f"pooled feature exists, got {pool_kernel_size}",
     )
     if bias is not None:
         _check(
@@ -126,28 +127,73 @@ def _fold_fake(weight, bias, pool_kernel_size):
     return weight.new_empty((pooled, weight.shape[1])), weight.new_empty((pooled,))
 
 
+def _check_unfolded_shape(op, name, pooled, out_features, pool_kernel_size):
+    _check(pool_kernel_size >= 1, f"{op}: pool_kernel_size must be >= 1, got {pool_kernel_size}")
+    _check(out_features >= 0, f"{op}: out_features must be >= 0, got {out_features}")
+    rows = out_features // pool_kernel_size
+    _check(
+        rows == pooled.shape[0],
+        f"{op}: {name} must have out_features // pool_kernel_size = {rows} rows, got shape "
+        f"{list(pooled.shape)}",
+    )
+
+
 @torch.library.register_fake("fused_pool_gelu::fold_backward")
 def _fold_backward_fake(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size):
+    op = "fold_backward"
+    _check(
+        grad_pooled_weight.dim() == 2,
+        f"{op}: grad_pooled_weight must be 2-D [pooled_features, in_features], got shape "
+        f"{list(grad_pooled_weight.shape)}",
+    )
+    _check_unfolded_shape(op, "grad_pooled_weight", grad_pooled_weight, out_features,
+                          pool_kernel_size)
+    rows = grad_pooled_weight.shape[0]
+    _check(
+        grad_pooled_bias.dim() == 1 and grad_pooled_bias.shape[0] == rows,
+        f"{op}: grad_pooled_bias must be 1-D [pooled_features] = [{rows}], got shape "
+        f"{list(grad_pooled_bias.shape)}",
+    )
     return (
         grad_pooled_weight.new_empty((out_features, grad_pooled_weight.shape[1])),
         grad_pooled_weight.new_empty((out_features,)),
     )
 
 
-def _check_forward_shapes(x, weight, bias):
-    _check(x.dim() == 2, f"forward: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
+def _check_forward_shapes(x, weight, bias, op="forward", weight_name="weight"):
+    # op and weight_name: as check_forward_inputs' (the backward ops check the same inputs).
+    _check(x.dim() == 2, f"{op}: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
     _check(
-        weight.dim() == 2 and weight.shape[1] == x.shape[1],
-        f"forward: weight must be 2-D [pooled_features, in_features] with in_features = "
+        weight.dim() == 2,
+        f"{op}: {weight_name} must be 2-D [pooled_features, in_features], got shape "
+        f"{list(weight.shape)}",
+    )
+    _check(
+        weight.shape[1] == x.shape[1],
+        f"{op}: {weight_name} must be [pooled_features, in_features] with in_features = "
         f"x.size(1) = {x.shape[1]}, got shape {list(weight.shape)}",
     )
-    _check(weight.shape[0] >= 1, "forward: weight must have at least one row (pooled feature)")
+    _check(
+        weight.shape[0] >= 1,
+        f"{op}: {weight_name} must have at least one row (pooled feature) to take the max over, "
+        f"got shape {list(weight.shape)}",
+    )
     if bias is not None:
         _check(
             bias.dim() == 1 and bias.shape[0] == weight.shape[0],
-            f"forward: bias must be 1-D [pooled_features] = [{weight.shape[0]}], "
+            f"{op}: bias must be 1-D [pooled_features] = [{weight.shape[0]}], "
             f"got shape {list(bias.shape)}",
         )
+
+
+def _check_batch_vectors(op, x, **vectors):
+    batch = x.shape[0]
+    for name, t in vectors.items():
+        if t is not None:
+            _check(
+                t.dim() == 1 and t.shape[0] == batch,
+                f"{op}: {name} must be 1-D [batch] = [{batch}], got shape {list(t.shape)}",
+            )
 
 
 def _prepared_bytes(rows, in_features):
@@ -201,7 +247,10 @@ def _model_forward_fake(x, weight, bias, pool_kernel_size, scale):
 
 @torch.library.register_fake("fused_pool_gelu::forward_backward")
 def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale):
-    _check_forward_shapes(x, weight, None)
+    op = "forward_backward"
+    _check_forward_shapes(x, weight, None, op)
+    _check_batch_vectors(op, x, argmax=argmax, preactivation=preactivation, grad_out=grad_out,
+                         grad_preactivation=grad_preactivation)
     return (
         x.new_empty(x.shape),
         weight.new_empty(weight.shape),
@@ -213,13 +262,10 @@ def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, prea
 def _model_backward_fake(
     grad_out, x, pooled_weight, argmax, preactivation, scale, out_features, pool_kernel_size
 ):
-    _check_forward_shapes(x, pooled_weight, None)
-    torch._check(
-        out_features // pool_kernel_size == pooled_weight.shape[0],
-        lambda: "fused_pool_gelu.model_backward: pooled_weight must have out_features // "
-        f"pool_kernel_size = {out_features // pool_kernel_size} rows, got shape "
-        f"{list(pooled_weight.shape)}",
-    )
+    op = "model_backward"
+    _check_forward_shapes(x, pooled_weight, None, op, "pooled_weight")
+    _check_batch_vectors(op, x, argmax=argmax, preactivation=preactivation, grad_out=grad_out)
+    _check_unfolded_shape(op, "pooled_weight", pooled_weight, out_features, pool_kernel_size)
     return (
         x.new_empty(x.shape),
         pooled_weight.new_empty((out_features, pooled_weight.shape[1])),

@@ -743,6 +743,14 @@ def _bad_input_cases():
             )(),
             r"forward_backward: x must be float32.* on (cpu|cuda), got Long",
         ),
+        "forward_backward_x_rank": (
+            lambda d: fwb(d, x=t(4, 2, 6, device=d))(),
+            r"forward_backward: x must be 2-D \[batch, in_features\], got shape \[4, 2, 6\]",
+        ),
+        "forward_backward_weight_dtype": (
+            lambda d: fwb(d, weight=t(3, 6, dtype=torch.float64, device=d))(),
+            r"forward_backward: weight must have the same dtype as x \(Float\), got Double",
+        ),
         "forward_backward_grad_preactivation_dtype": (
             lambda d: fwb(d, grad_pre=t(4, dtype=torch.float64, device=d))(),
             r"forward_backward: grad_preactivation must have the same dtype as x",
@@ -760,6 +768,11 @@ def _bad_input_cases():
         "model_backward_k_zero": (
             lambda d: model_backward(d, k=0)(),
             r"model_backward: pool_kernel_size must be >= 1, got 0",
+        ),
+        "model_backward_mismatched_in_features": (
+            lambda d: model_backward(d, x=t(4, 7, device=d))(),
+            r"model_backward: pooled_weight must be \[pooled_features, in_features\] with "
+            r"in_features = x.size\(1\) = 7, got shape \[3, 6\]",
         ),
         "model_backward_argmax_shape": (
             lambda d: model_backward(d, argmax=torch.tensor([0, 1, 1], device=d))(),
@@ -819,6 +832,24 @@ def test_half_types_on_cpu_compute_in_float32_and_round_once(dtype, make_inputs)
     back32 = _OPS.fold_backward(grads[1].float(), grads[2].float(), 12, 3)
     for half, single in zip(back, back32):
         assert half.dtype == dtype and torch.equal(half, single.to(dtype))
+
+
+# The cases whose checks are on shapes and integer arguments, which the fake kernels mirror (not
+# dtypes or devices, which tracing leaves to the kernels, nor argmax's values).
+SHAPE_CASES = [
+    case
+    for case in BAD_INPUT_CASES
+    if "dtype" not in case and "_int_" not in case and case not in HOST_ONLY_CASES
+]
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES)
+def test_fake_kernels_raise_the_eager_shape_errors(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    call, message = BAD_INPUT_CASES[case]
+    with FakeTensorMode(), pytest.raises(RuntimeError, match=message):
+        call("cpu")
 
 
 def test_bad_input_errors_also_raise_while_tracing():
