@@ -14,6 +14,26 @@ from . import ops
 __all__ = ["Model", "ModelNew"]
 
 
+def _checked_pool_kernel_size(pool_kernel_size) -> int:
+    if int(pool_kernel_size) != pool_kernel_size or pool_kernel_size < 1:
+        raise ValueError(f"pool_kernel_size must be a positive integer, got {pool_kernel_size!r}")
+    return int(pool_kernel_size)
+
+
+def pool_kernel_size_of(model: nn.Module) -> int:
+    """The pooling window of a :class:`Model` or :class:`ModelNew`, checked."""
+    if isinstance(model, ModelNew):
+        return _checked_pool_kernel_size(model.pool_kernel_size)
+    if isinstance(model, Model):
+        kernel_size = model.avg_pool.kernel_size
+        if isinstance(kernel_size, (tuple, list)):
+            (kernel_size,) = kernel_size
+        return _checked_pool_kernel_size(kernel_size)
+    raise TypeError(
+        f"model must be a fused_pool_gelu.Model or ModelNew, got {type(model).__name__}"
+    )
+
+
 class Model(nn.Module):
     """Linear -> AvgPool1d -> GELU -> scale -> max, exactly as KernelBench defines it."""
 
@@ -49,27 +69,27 @@ class ModelNew(nn.Module):
 
     def __init__(self, in_features, out_features, pool_kernel_size, scale_factor):
         super().__init__()
-        if int(pool_kernel_size) != pool_kernel_size or pool_kernel_size < 1:
-            raise ValueError(
-                f"pool_kernel_size must be a positive integer, got {pool_kernel_size!r}"
-            )
+        pool_kernel_size = _checked_pool_kernel_size(pool_kernel_size)
         # Created exactly as Model creates it, so the same seed gives the same parameters.
         self.matmul = nn.Linear(in_features, out_features)
-        self.pool_kernel_size = int(pool_kernel_size)
+        self.pool_kernel_size = pool_kernel_size
         self.scale_factor = scale_factor
         self._fold_cache: Optional[tuple] = None
 
     @classmethod
     def from_model(cls, model: Model) -> "ModelNew":
         """A ModelNew with a copy of ``model``'s parameters (same device, dtype, requires_grad)."""
-        kernel_size = model.avg_pool.kernel_size
-        if isinstance(kernel_size, (tuple, list)):
-            (kernel_size,) = kernel_size
-        linear = model.matmul
+        if not isinstance(model, Model):
+            raise TypeError(
+                f"ModelNew.from_model: model must be a fused_pool_gelu.Model, "
+                f"got {type(model).__name__}"
+            )
+        kernel_size = pool_kernel_size_of(model)
+        # Not through __init__: its nn.Linear would draw fresh parameters from the RNG.
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.matmul = copy.deepcopy(linear)
-        new.pool_kernel_size = int(kernel_size)
+        new.matmul = copy.deepcopy(model.matmul)
+        new.pool_kernel_size = kernel_size
         new.scale_factor = model.scale_factor
         new._fold_cache = None
         return new
@@ -102,16 +122,19 @@ class ModelNew(nn.Module):
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """(pooled_weight, pooled_bias, prepared_weight or None), from the cache when valid."""
         cache = self._fold_cache
+        # A plain attribute (as Model's avg_pool.kernel_size): it may change, like the weight.
+        pool_kernel_size = self.pool_kernel_size
         if cache is not None:
-            weight_ref, bias_ref, stamp, folded = cache
+            weight_ref, bias_ref, cached_pool_kernel_size, stamp, folded = cache
             cached_bias = None if bias_ref is None else bias_ref()
             same_objects = weight_ref() is weight and cached_bias is bias
-            if same_objects and stamp == self._stamp(weight, bias):
+            if (same_objects and cached_pool_kernel_size == pool_kernel_size
+                    and stamp == self._stamp(weight, bias)):
                 return folded
         # Plain tensors even when called under inference_mode: a frozen model cached there must
         # still serve later calls whose x requires grad (autograd cannot save inference tensors).
         with torch.inference_mode(False), torch.no_grad():
-            pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
+            pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
             # Only the CUDA float32 forward reads the prepared copy (half the pooled weight's
             # bytes); it is made once here instead of in every large-batch call.
             prepared_weight = (
@@ -124,6 +147,7 @@ class ModelNew(nn.Module):
         self._fold_cache = (
             weakref.ref(weight),
             None if bias is None else weakref.ref(bias),
+            pool_kernel_size,
             self._stamp(weight, bias),
             folded,
         )

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import ops
-from .model import Model, ModelNew
+from .model import Model, ModelNew, pool_kernel_size_of
 
 __all__ = ["TensorParallelPoolGelu", "split_groups"]
 
@@ -219,18 +219,12 @@ class TensorParallelPoolGelu(nn.Module):
     ) -> "TensorParallelPoolGelu":
         """This rank's shard of a full ModelNew or Model (the same on every rank), on its device and
         in its dtype."""
-        if isinstance(model, ModelNew):
-            pool_kernel_size = model.pool_kernel_size
-        elif isinstance(model, Model):
-            pool_kernel_size = model.avg_pool.kernel_size
-            if isinstance(pool_kernel_size, (tuple, list)):
-                (pool_kernel_size,) = pool_kernel_size
-        else:
+        if not isinstance(model, (Model, ModelNew)):
             raise TypeError(
                 "TensorParallelPoolGelu.from_module: model must be a fused_pool_gelu.ModelNew or "
                 f"Model, got {type(model).__name__}"
             )
-        return cls(model.state_dict(), pool_kernel_size, model.scale_factor, group)
+        return cls(model.state_dict(), pool_kernel_size_of(model), model.scale_factor, group)
 
     def extra_repr(self) -> str:
         return (

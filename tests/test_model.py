@@ -138,6 +138,17 @@ def test_invalid_pool_kernel_size_is_rejected(pool_kernel_size):
         ModelNew(16, 8, pool_kernel_size, 2.0)
 
 
+def test_from_model_rejects_what_model_accepts_but_cannot_run():
+    # nn.AvgPool1d takes kernel_size 0 at construction and fails only in its first forward.
+    with pytest.raises(ValueError, match="pool_kernel_size must be a positive integer, got 0"):
+        ModelNew.from_model(Model(16, 8, 0, 2.0))
+
+
+def test_from_model_names_what_it_expected():
+    with pytest.raises(TypeError, match="model must be a fused_pool_gelu.Model, got Linear"):
+        ModelNew.from_model(torch.nn.Linear(16, 8))
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 
@@ -278,6 +289,19 @@ def test_cache_refolds_after_in_place_edit_of_the_bias(fold_calls, device):
         after = new(x)
     assert len(fold_calls) == 2 and not torch.equal(before, after)
     torch.testing.assert_close(after, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_refolds_after_the_pool_kernel_size_changes(fold_calls, device):
+    # pool_kernel_size is a plain attribute, like Model's avg_pool.kernel_size: the no-grad path
+    # (cached) must follow it as the training path (folded every call) does.
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        new(x)
+        new.pool_kernel_size = 8
+        out = new(x)
+    assert len(fold_calls) == 2
+    torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new(x), out, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
@@ -444,10 +468,15 @@ def test_frozen_model_gives_input_gradients_after_an_inference_mode_call(device)
 
 def test_folded_parameters_are_the_fold_of_the_current_weights(device):
     new, x = _new_and_input(device)
+    with torch.no_grad():
+        new(x)  # fills the cache
+        new.matmul.weight.mul_(-1.5)
+        new.matmul.bias.add_(0.25)
     pooled_weight, pooled_bias = new.folded_parameters()
-    expected_weight, expected_bias = ops.fold(new.matmul.weight, new.matmul.bias, 4)
-    assert torch.equal(pooled_weight, expected_weight.detach())
-    assert torch.equal(pooled_bias, expected_bias.detach())
+    with torch.no_grad():
+        expected_weight, expected_bias = ops.fold(new.matmul.weight, new.matmul.bias, 4)
+    assert torch.equal(pooled_weight, expected_weight)
+    assert torch.equal(pooled_bias, expected_bias)
     assert not pooled_weight.requires_grad
 
 
