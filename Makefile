@@ -1,13 +1,15 @@
 # The two commands of the README, each setting itself up on a fresh machine:
 #   make run    venv + torch, build and install the wheel, run `python -m fused_pool_gelu`
 #   make test   venv + torch, build the wheel, install it, run pytest against the INSTALLED package
-# Knobs: PYTHON, VENV, TORCH_SPEC, CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS (see setup.py).
+# Knobs: PYTHON, VENV, TORCH_SPEC, CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS (see setup.py),
+# PYTEST_ARGS (added to make test's pytest command).
 
 PYTHON ?= python3
 VENV ?= .venv
 CUDA_HOME ?= /usr/local/cuda
 # A CUDA build of torch where a toolkit exists (so the CUDA kernels are compiled, even on a
-# machine without a GPU); the CPU build otherwise.
+# machine without a GPU); otherwise 2.13.0, which the package index of our build machines serves as
+# a CPU build (quick to install; from PyPI on Linux it would be a CUDA build, which works as well).
 TORCH_SPEC ?= $(if $(wildcard $(CUDA_HOME)/bin/nvcc),torch==2.14.1,torch==2.13.0)
 MAX_JOBS ?= 2
 PYTEST_ARGS ?=
@@ -20,7 +22,7 @@ export CUDA_HOME MAX_JOBS
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade "pip>=23" "setuptools>=64" wheel
+	$(BIN)/python -m pip install -q --upgrade "pip>=23" "setuptools>=77" wheel
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy ninja pytest hypothesis expecttest
 	touch $@
 

@@ -3,7 +3,9 @@
 Knobs (environment variables):
   FUSED_POOL_GELU_CUDA   auto (default): build the CUDA kernels when torch is a CUDA build and a
                          CUDA toolkit is found; 1: require them (fail otherwise); 0: CPU only.
-  CUDA_HOME              the CUDA toolkit (default: /usr/local/cuda when it holds bin/nvcc).
+  CUDA_HOME              the CUDA toolkit (default: CUDA_PATH if set, else /usr/local/cuda when
+                         it holds bin/nvcc). One that is set but holds no bin/nvcc is reported
+                         and, in auto mode, gives a CPU-only build.
   TORCH_CUDA_ARCH_LIST   architectures to compile for (default "8.0;9.0a": the portable sm_80
                          kernels run on Ampere, Ada and Hopper; 9.0a adds the Hopper build).
   MAX_JOBS               parallel compile jobs (ninja).
@@ -34,7 +36,11 @@ def _version() -> str:
 def _find_cuda_home():
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home:
-        return home if (Path(home) / "bin" / "nvcc").exists() else None
+        if (Path(home) / "bin" / "nvcc").exists():
+            return home
+        print(f"fused_pool_gelu: CUDA_HOME / CUDA_PATH = {home} holds no bin/nvcc: no CUDA toolkit",
+              file=sys.stderr)
+        return None
     default = Path("/usr/local/cuda")
     return str(default) if (default / "bin" / "nvcc").exists() else None
 
@@ -172,7 +178,8 @@ setup(
     packages=find_packages(include=["fused_pool_gelu", "fused_pool_gelu.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": _build_ext()},
-    # The module stub uses only the stable C API (py_limited_api above): one wheel serves every
-    # CPython >= 3.9 with the torch it was built against.
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    # The module stub uses only the stable C API (py_limited_api above), which torch's
+    # cpp_extension compiles against CPython 3.10's (-DPy_LIMITED_API=0x030A0000): one wheel serves
+    # every CPython >= 3.10 with the torch it was built against.
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -48,20 +48,14 @@ static at::Tensor prepare_weight_autograd(const at::Tensor& weight) {
 }
 
 TORCH_LIBRARY(fused_pool_gelu, m) {
-  // Average-pool groups of k rows of a Linear's weight and bias (AvgPool1d floor: the O % k tail
-  // rows are dropped): returns (pooled_weight [O//k, K], pooled_bias [O//k], zeros if bias is
-  // None).
+  // One line each; the public ops' contracts in full: their wrappers' docstrings (ops.py).
+  // Average-pool groups of k rows of a Linear's weight and bias (the O % k tail rows dropped).
   m.def("fold(Tensor weight, Tensor? bias, int pool_kernel_size) -> (Tensor, Tensor)");
-  // Adjoint of fold: grad_weight[n*k + r] = grad_pooled_weight[n] / k, tail rows zero; same for
-  // bias.
+  // Adjoint of fold: grad_weight[n*k + r] = grad_pooled_weight[n] / k, tail rows zero.
   m.def(
       "fold_backward(Tensor grad_pooled_weight, Tensor grad_pooled_bias, int out_features, "
       "int pool_kernel_size) -> (Tensor, Tensor)");
-  // out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n]) over the pooled weight [N, K] (exact
-  // erf GELU, torch.max semantics: first index on ties, NaN wins). Also returns the arg-max n and
-  // the pre-activation x[b] . weight[n] + bias[n] there, which is all the backward needs.
-  // prepared_weight: prepare_weight(weight), or None (the certified CUDA path then makes that copy
-  // itself, per call); checked against weight (prepared_weight.h), not differentiable.
+  // out[b] = max_n scale * gelu(x[b] . weight[n] + bias[n]), its arg-max n and z there.
   m.def(
       "forward_with_argmax(Tensor x, Tensor weight, Tensor? bias, float scale, "
       "Tensor? prepared_weight=None) -> (Tensor out, Tensor argmax, Tensor preactivation)");
@@ -69,31 +63,23 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
   m.def(
       "forward(Tensor x, Tensor weight, Tensor? bias, float scale, "
       "Tensor? prepared_weight=None) -> Tensor");
-  // What the forward's certified path reads of the pooled weight besides the weight itself: a
-  // scaled fp16 copy of every row with its scale and norms (layout in prepared_weight.h), made once
-  // per weight instead of per call. Tied to this weight: forward refuses it once weight changes.
+  // The certified path's scaled fp16 copy of the pooled weight and its norms (prepared_weight.h).
   m.def("prepare_weight(Tensor weight) -> Tensor");
-  // Arg-max backward of forward_with_argmax (no dense GEMM): a gather for grad_x, a deterministic
-  // segment reduction over rows sharing an arg-max for grad_weight and grad_bias [N].
+  // Arg-max backward of forward_with_argmax: a gather and a deterministic segment reduction.
   m.def(
       "forward_backward(Tensor? grad_out, Tensor? grad_preactivation, Tensor x, Tensor weight, "
       "Tensor argmax, Tensor preactivation, float scale) -> "
       "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
-  // model_forward's backward: forward_backward(grad_out, None, x, pooled_weight, argmax,
-  // preactivation, scale), then fold_backward of its weight and bias gradients to the unfolded
-  // [out_features, K] and [out_features]; the same bits as those two calls. On CUDA the rows of the
-  // pooled gradient that no arg-max selects are neither written nor read back.
+  // model_forward's backward: forward_backward, then fold_backward (the same bits as the two).
   m.def(
       "model_backward(Tensor grad_out, Tensor x, Tensor pooled_weight, Tensor argmax, "
       "Tensor preactivation, float scale, int out_features, int pool_kernel_size) -> "
       "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
-  // The whole block on the UNFOLDED Linear parameters: forward(x, *fold(weight, bias, k), scale),
-  // differentiable through one C++ autograd node (the training path of ModelNew).
+  // forward(x, *fold(weight, bias, k), scale) as one C++ autograd node (ModelNew's training).
   m.def(
       "model_forward(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, float scale) "
       "-> Tensor");
-  // Diagnostics of the certified forward (CUDA, sm_90a; csrc/cuda/forward_certified.cuh):
-  // per row of x, how many columns its selection sends to the float32 rescoring (-1: every one).
+  // Diagnostics: per row, the columns the certified selection sends to rescoring (-1: all).
   m.def(
       "_certified_candidate_counts(Tensor x, Tensor weight, Tensor? bias, float scale) -> Tensor");
 }

@@ -27,8 +27,8 @@ cases = [  # (batch, in_features, out_features, pool_kernel_size)
     (20, 4100, 1000, 1),   # tensor-core GEMV (17-32 rows, Hopper): 4 splits, batch, row, K tails
     (5, 300, 2100, 1),     # the epilogue's 1024-thread CTA per row (N >= 1024, 2 splits), N tail
     (300, 520, 1030, 4),   # tensor-core path with M, N, K tails
-    (40, 520, 1030, 4),    # 33 rows to one per SM: the certified path's fused rows (pass 1 on
-    (132, 256, 2048, 4),   # 128-wide tiles, select_rescore_kernel) under FUSED_POOL_GELU_CERTIFIED=1
+    (40, 520, 1030, 4),    # 33 rows to one per SM: the certified path's fused rows (pass 1
+    (132, 256, 2048, 4),   # on 128-wide tiles, select_rescore_kernel), FUSED_POOL_GELU_CERTIFIED=1
     (896, 256, 512, 16),   # full tiles (the default takes the certified path; the 3xTF32 GEMM
                            # runs here with FUSED_POOL_GELU_CERTIFIED=0 below)
     (769, 96, 528, 16),    # the default's certified path (B >= 513), N and K tails
