@@ -46,12 +46,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -370,6 +372,26 @@ void for_each_row_epilogue(F&& f) {
 // Host side.
 // ------------------------------------------------------------------------------------------------
 
+// Calls f(std::integral_constant<int, i>) for a run-time i in [0, kCount).
+template <int kCount, int kIndex = 0, typename F>
+void dispatch_index(int i, F&& f) {
+  if constexpr (kIndex < kCount) {
+    if (i == kIndex) {
+      f(std::integral_constant<int, kIndex>{});
+    } else {
+      dispatch_index<kCount, kIndex + 1>(i, f);
+    }
+  } else {
+    TORCH_CHECK(false, "fused_pool_gelu.forward: internal error: index ", i, " of ", kCount);
+  }
+}
+
+// Calls f(std::integral_constant<int, kValues[i]>) for each i: one instance per listed value.
+template <const auto& kValues, typename F, size_t... kIndices>
+void for_each_value(F&& f, std::index_sequence<kIndices...>) {
+  (f(std::integral_constant<int, kValues[kIndices]>{}), ...);
+}
+
 constexpr int kSimtBatchTiles[] = {1, 2, 4, 8, 16};
 constexpr int kNumSimtBatchTiles = sizeof(kSimtBatchTiles) / sizeof(kSimtBatchTiles[0]);
 static_assert(kSimtBatchTiles[kNumSimtBatchTiles - 1] == fg::kSimtMaxBatchTile, "batch tiles");
@@ -377,14 +399,9 @@ static_assert(kSimtBatchTiles[kNumSimtBatchTiles - 1] == fg::kSimtMaxBatchTile, 
 // Calls f(std::integral_constant<int, kSimtBatchTiles[i]>).
 template <typename F>
 void dispatch_simt_batch_tile(int i, F&& f) {
-  switch (i) {
-    case 0: f(std::integral_constant<int, 1>{}); break;
-    case 1: f(std::integral_constant<int, 2>{}); break;
-    case 2: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 8>{}); break;
-    case 4: f(std::integral_constant<int, 16>{}); break;
-    default: TORCH_CHECK(false, "fused_pool_gelu.forward: internal error: batch tile index ", i);
-  }
+  dispatch_index<kNumSimtBatchTiles>(i, [&](auto index) {
+    f(std::integral_constant<int, kSimtBatchTiles[decltype(index)::value]>{});
+  });
 }
 
 template <typename Kernel>
@@ -393,13 +410,27 @@ void set_max_dynamic_smem(Kernel kernel, int bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-// The row-parallel GEMV's instances: 1, 2 and 4 batch rows (launch_rowwise takes the smallest that
-// holds B).
+// The row-parallel GEMV's instances, by batch rows (launch_rowwise takes the smallest that holds B).
+constexpr int kRowwiseBatches[] = {1, 2, 4};
+static_assert(kRowwiseBatches[2] == fg::kRowwiseMaxBatch, "the largest serves every batch");
+
 template <typename F>
 void for_each_rowwise_batch(F&& f) {
-  f(std::integral_constant<int, 1>{});
-  f(std::integral_constant<int, 2>{});
-  f(std::integral_constant<int, 4>{});
+  for_each_value<kRowwiseBatches>(f, std::make_index_sequence<std::size(kRowwiseBatches)>{});
+}
+
+// The certified pass 1's tiles (fg::Pass1Tile): certified_forward picks one, device_info sets
+// each instance's shared memory.
+template <int kBlockM, int kBlockN>
+struct Pass1Shape {
+  static constexpr int kM = kBlockM;
+  static constexpr int kN = kBlockN;
+};
+template <typename F>
+void for_each_pass1_shape(F&& f) {
+  f(Pass1Shape<64, 128>{});
+  f(Pass1Shape<128, 128>{});
+  f(Pass1Shape<128, 256>{});
 }
 
 template <typename Kernel>
@@ -524,12 +555,11 @@ const DeviceInfo& device_info(int device) {
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
       if (attributes.binaryVersion == 90) {
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
-        set_max_dynamic_smem(fg::certified_pass1_kernel<64, 128>,
-                             fg::Pass1Tile<64, 128>::kSmemBytes);
-        set_max_dynamic_smem(fg::certified_pass1_kernel<128, 128>,
-                             fg::Pass1Tile<128, 128>::kSmemBytes);
-        set_max_dynamic_smem(fg::certified_pass1_kernel<128, 256>,
-                             fg::Pass1Tile<128, 256>::kSmemBytes);
+        for_each_pass1_shape([](auto shape) {
+          using Shape = decltype(shape);
+          set_max_dynamic_smem(fg::certified_pass1_kernel<Shape::kM, Shape::kN>,
+                               fg::Pass1Tile<Shape::kM, Shape::kN>::kSmemBytes);
+        });
         info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
                                                        fg::kWgThreads, fg::kWgSmemBytes);
       }
@@ -750,13 +780,15 @@ void launch_rowwise(const Operand& x, const Operand& w, float* dot_products, int
     fg::rowwise_gemv_kernel<kBatch><<<ctas, fg::kRowwiseThreads,
                                       fg::rowwise_smem_bytes(kBatch), stream>>>(p);
   };
-  if (batch <= 1) {
-    launch(std::integral_constant<int, 1>{});
-  } else if (batch <= 2) {
-    launch(std::integral_constant<int, 2>{});
-  } else {
-    launch(std::integral_constant<int, 4>{});
-  }
+  bool launched = false;  // the smallest instance that holds the batch
+  for_each_rowwise_batch([&](auto batch_tile) {
+    if (!launched && batch <= decltype(batch_tile)::value) {
+      launch(batch_tile);
+      launched = true;
+    }
+  });
+  TORCH_CHECK(launched, "fused_pool_gelu.forward: internal error: no row-parallel GEMV for ",
+              batch, " rows");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1111,12 +1143,20 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
                                     outputs.out, outputs.argmax, outputs.preactivation));
 }
 
-// Pass 1 on kBlockM x kBlockN tiles (fg::Pass1Tile), with `config`'s grid.
-template <int kBlockM, int kBlockN>
-void launch_pass1(cudaLaunchConfig_t config, const fg::GemmParams& gemm, const fg::TmaMaps& maps) {
-  config.dynamicSmemBytes = fg::Pass1Tile<kBlockM, kBlockN>::kSmemBytes;
-  C10_CUDA_CHECK(
-      cudaLaunchKernelEx(&config, fg::certified_pass1_kernel<kBlockM, kBlockN>, gemm, maps));
+// Pass 1 on block_m x block_n tiles (one of for_each_pass1_shape's), with `config`'s grid.
+void launch_pass1(int64_t block_m, int64_t block_n, cudaLaunchConfig_t config,
+                  const fg::GemmParams& gemm, const fg::TmaMaps& maps) {
+  bool launched = false;
+  for_each_pass1_shape([&](auto shape) {
+    using Shape = decltype(shape);
+    if (block_m != Shape::kM || block_n != Shape::kN) return;
+    config.dynamicSmemBytes = fg::Pass1Tile<Shape::kM, Shape::kN>::kSmemBytes;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, fg::certified_pass1_kernel<Shape::kM, Shape::kN>,
+                                      gemm, maps));
+    launched = true;
+  });
+  TORCH_CHECK(launched, "fused_pool_gelu.forward: internal error: no pass-1 kernel for ", block_m,
+              " x ", block_n, " tiles");
 }
 
 // The certified forward: the weight's prepared copy (prepared_weight.h; made here unless the
@@ -1193,13 +1233,7 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
   pass1_config.gridDim = dim3(static_cast<unsigned>(ceil_div(n, block_n)),
                               static_cast<unsigned>(ceil_div(batch, block_m)),
                               static_cast<unsigned>(splits));
-  if (!fused) {
-    launch_pass1<128, 256>(pass1_config, gemm, maps);
-  } else if (block_m == 64) {
-    launch_pass1<64, 128>(pass1_config, gemm, maps);
-  } else {
-    launch_pass1<128, 128>(pass1_config, gemm, maps);
-  }
+  launch_pass1(block_m, block_n, pass1_config, gemm, maps);
 
   certified::SelectParams select{};
   select.partial = partial;
