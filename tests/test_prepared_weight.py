@@ -86,7 +86,7 @@ def test_special_rows(device):
     weight = torch.randn(6, k, device=device)
     weight[0] = 0.0                      # scale 1, norms 0
     weight[1, 3] = float("nan")          # NaN norms: the forward rescores every column
-    weight[2] *= 1e30                    # above 2^77: the copy overflows, infinite residual
+    weight[2] *= 1e30                    # about 2^79 or more: the copy overflows, infinite residual
     weight[3] *= 1e-30                   # below 2^-49: the scale stops at 2^63, values flushed
     weight[4, ::2] = 1e-41               # subnormals next to normal values: flushed to 0
     prepared = fused_pool_gelu.prepare_weight(weight)
