@@ -44,6 +44,12 @@ inline void check_dtype_in(const char* op, const char* name, const at::Tensor& t
               t.device().type(), ", got ", t.scalar_type());
 }
 
+// The dtypes the CUDA kernels are built for (cuda/common.cuh's FPG_DISPATCH_CUDA_FLOATING_TYPES).
+inline void check_cuda_floating_dtype(const char* op, const char* name, const at::Tensor& t) {
+  check_dtype_in(op, name, t, {at::kFloat, at::kHalf, at::kBFloat16},
+                 "float32, float16 or bfloat16");
+}
+
 // fold(weight [O, K], bias [O] or None, k): pools groups of k rows, N = O // k.
 inline void check_fold_inputs(const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                               int64_t pool_kernel_size) {

@@ -12,6 +12,8 @@
 
 namespace fused_pool_gelu {
 
+// 32: a tile's rows are one load each of a block's threads in flight at once (32 registers), and
+// a segment of n rows is n / 32 tiles side by side (backward.cu, kSegmentThreads, has the timings).
 constexpr int kSegmentTileRows = 32;
 
 }  // namespace fused_pool_gelu

@@ -21,7 +21,6 @@
 // row gets NaN in grad_x (loud, not silently zero) and contributes nothing to grad_weight and
 // grad_bias (the grouping leaves it out of every segment).
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -37,7 +36,6 @@
 #include <limits>
 #include <optional>
 #include <tuple>
-#include <type_traits>
 
 #include "checks.h"
 #include "cuda/common.cuh"
@@ -89,8 +87,6 @@ constexpr int kGroupSmallItemsPerThread = 2;
 // warps, each owning one row b and a run of kWarpSize * kGatherVectorsPerLane 16-byte vectors.
 constexpr int kGatherThreads = kGroupThreads;
 
-constexpr const char* kDtypeText = "float32, float16 or bfloat16";
-
 // The 1-D inputs that define dz[b]; the optional ones are nullptr when None. Any strides: an
 // upstream gradient of out.sum() arrives as an expanded (stride 0) tensor.
 template <typename scalar_t>
@@ -105,7 +101,7 @@ struct DzInputs {
 };
 
 // dz[b] in float, evaluated as (g * s) * gelu'(z) + gp. __fmul_rn / __fadd_rn forbid FMA
-// contraction, so the two kernels that evaluate it get the same bits for the same row.
+// contraction, so gather_grad_x and write_position, which both evaluate it, get the same bits.
 template <typename scalar_t>
 __device__ __forceinline__ float row_dz(const DzInputs<scalar_t>& in, int64_t b) {
   float dz = 0.0f;
@@ -640,8 +636,8 @@ void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Ten
   const int64_t gather_threads = batch * warps_per_row * kWarpSize;
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config = dependent_launch_config(
-      grid_blocks(gather_threads + kGatherThreads, kGatherThreads), kGroupThreads, stream,
-      attribute, dependent);
+      grid_blocks(gather_threads + kGatherThreads, kGatherThreads, "gather threads"),
+      kGroupThreads, stream, attribute, dependent);
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &config, group_rows_and_grad_x_kernel<scalar_t, VEC>, dz_in,
       argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0), key_bits,
@@ -659,12 +655,12 @@ bool gather_is_vectorizable(const at::Tensor& weight, const at::Tensor& grad_x, 
 // The arg-max backward into the pooled gradient (forward_backward's outputs), for inputs already
 // checked on the current device. The rows of grad_weight and the entries of grad_bias whose segment
 // is empty get no sum: with zero_empty_segments (forward_backward) segment_pieces_kernel zeroes
-// them, without (model_backward) they are left unwritten and `grouping` holds segment_starts (its
+// them, without (model_backward) they are left unwritten and `workspace` holds segment_starts (its
 // first pooled + 1 entries) for the caller. op names the calling op in errors.
 struct PooledGradients {
   at::Tensor grad_x, grad_weight, grad_bias;
-  at::Tensor grouping;                    // undefined for an empty batch
-  const int64_t* segment_starts = nullptr;  // into grouping; nullptr: every row was written
+  at::Tensor workspace;                   // the grouping and the pieces; undefined for B = 0
+  const int64_t* segment_starts = nullptr;  // into workspace; nullptr: every row was written
 };
 
 PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
@@ -699,9 +695,9 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   const int64_t grouping_ints = 2 * (pooled + 1) + 2 * batch;
   const int64_t piece_slots = 2 * ceil_div<int64_t>(batch, kSegmentTileRows);
   const int64_t floats = piece_slots * (in_features + 1) + batch;
-  result.grouping = at::empty({grouping_ints + ceil_div<int64_t>(floats, 2)}, argmax.options());
+  result.workspace = at::empty({grouping_ints + ceil_div<int64_t>(floats, 2)}, argmax.options());
   Grouping grouping;
-  grouping.segment_starts = result.grouping.mutable_data_ptr<int64_t>();
+  grouping.segment_starts = result.workspace.mutable_data_ptr<int64_t>();
   grouping.cursor = grouping.segment_starts + pooled + 1;
   grouping.order = grouping.cursor + pooled + 1;
   grouping.sorted_segment = grouping.order + batch;
@@ -736,7 +732,8 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     const int64_t tiles = ceil_div<int64_t>(batch, kSegmentTileRows);  // sorted rows <= batch
     cudaLaunchAttribute tiles_attribute{};
     const cudaLaunchConfig_t tiles_config =
-        dependent_launch_config(grid_blocks(tiles * chunks, 1), kSegmentThreads, stream,
+        dependent_launch_config(grid_blocks(tiles * chunks, 1, "segment tiles x K chunks"),
+                                kSegmentThreads, stream,
                                 tiles_attribute, dependent);
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &tiles_config, segment_tiles_kernel<scalar_t>, x.const_data_ptr<scalar_t>(), x.stride(0),
@@ -748,8 +745,9 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
         zero_empty_segments ? ceil_div<int64_t>(pooled, kZeroSegments) : 0;
     cudaLaunchAttribute pieces_attribute{};
     const cudaLaunchConfig_t pieces_config =
-        dependent_launch_config(grid_blocks((tiles + zero_groups) * chunks, 1), kSegmentThreads,
-                                stream, pieces_attribute, dependent);
+        dependent_launch_config(grid_blocks((tiles + zero_groups) * chunks, 1,
+                                            "segment pieces x K chunks"),
+                                kSegmentThreads, stream, pieces_attribute, dependent);
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &pieces_config, segment_pieces_kernel<scalar_t>,
         static_cast<const int64_t*>(grouping.sorted_segment), segment_starts,
@@ -765,7 +763,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& argmax,
     const at::Tensor& preactivation, double scale) {
   check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation);
-  check_dtype_in("forward_backward", "x", x, {at::kFloat, at::kHalf, at::kBFloat16}, kDtypeText);
+  check_cuda_floating_dtype("forward_backward", "x", x);
   const c10::cuda::CUDAGuard device_guard(x.device());
   PooledGradients grads = pooled_gradients(grad_out, grad_preactivation, x, weight, argmax,
                                            preactivation, scale, /*zero_empty_segments=*/true,
@@ -782,7 +780,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> model_backward_cuda(
     int64_t pool_kernel_size) {
   check_model_backward_inputs(grad_out, x, pooled_weight, argmax, preactivation, out_features,
                               pool_kernel_size);
-  check_dtype_in("model_backward", "x", x, {at::kFloat, at::kHalf, at::kBFloat16}, kDtypeText);
+  check_cuda_floating_dtype("model_backward", "x", x);
   const c10::cuda::CUDAGuard device_guard(x.device());
   PooledGradients grads = pooled_gradients(grad_out, std::nullopt, x, pooled_weight, argmax,
                                            preactivation, scale, /*zero_empty_segments=*/false,

@@ -50,9 +50,6 @@ constexpr int kFoldBackwardThreads = 256;
 // unroll only trims loop overhead.
 constexpr int kFoldBackwardStoreUnroll = 4;
 
-// The dtypes both ops accept on CUDA.
-constexpr const char* kDtypeText = "float32, float16 or bfloat16";
-
 // True when rows of `t` [rows, cols] can be read as AlignedVector<_, vec>: unit column stride,
 // whole vectors per row, every row start 16-byte aligned. Otherwise the strided scalar path runs.
 bool rows_are_vectorizable(const at::Tensor& t, int vec) {
@@ -189,7 +186,8 @@ void launch_fold(const at::Tensor& weight, const c10::optional<at::Tensor>& bias
   const int64_t vecs_per_row = std::max<int64_t>(ceil_div<int64_t>(in_features, VEC), 1);
   const bool has_bias = bias.has_value();
   fold_kernel<scalar_t, VEC>
-      <<<grid_blocks(pooled * vecs_per_row, kFoldThreads), kFoldThreads, 0,
+      <<<grid_blocks(pooled * vecs_per_row, kFoldThreads, "pooled rows x 16-byte vectors"),
+         kFoldThreads, 0,
          c10::cuda::getCurrentCUDAStream()>>>(
           weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1),
           has_bias ? bias->const_data_ptr<scalar_t>() : nullptr, has_bias ? bias->stride(0) : 0,
@@ -213,7 +211,8 @@ void launch_fold_backward(const at::Tensor& grad_pooled_weight, const at::Tensor
   // overlaps that grid's tail.
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config = dependent_launch_config(
-      grid_blocks(groups * vecs_per_row, kFoldBackwardThreads), kFoldBackwardThreads,
+      grid_blocks(groups * vecs_per_row, kFoldBackwardThreads, "row groups x 16-byte vectors"),
+      kFoldBackwardThreads,
       c10::cuda::getCurrentCUDAStream(), attribute,
       device_has_dependent_launch(grad_weight.get_device()));
   C10_CUDA_CHECK(cudaLaunchKernelEx(
@@ -228,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor> fold_cuda(const at::Tensor& weight,
                                              const c10::optional<at::Tensor>& bias,
                                              int64_t pool_kernel_size) {
   check_fold_inputs(weight, bias, pool_kernel_size);
-  check_dtype_in("fold", "weight", weight, {at::kFloat, at::kHalf, at::kBFloat16}, kDtypeText);
+  check_cuda_floating_dtype("fold", "weight", weight);
   const c10::cuda::CUDAGuard device_guard(weight.device());
 
   const int64_t k = pool_kernel_size;
@@ -255,8 +254,7 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_cuda(const at::Tensor& grad_poo
                                                       int64_t out_features,
                                                       int64_t pool_kernel_size) {
   check_fold_backward_inputs(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size);
-  check_dtype_in("fold_backward", "grad_pooled_weight", grad_pooled_weight,
-                 {at::kFloat, at::kHalf, at::kBFloat16}, kDtypeText);
+  check_cuda_floating_dtype("fold_backward", "grad_pooled_weight", grad_pooled_weight);
   const c10::cuda::CUDAGuard device_guard(grad_pooled_weight.device());
   return fold_backward_of(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size,
                           nullptr);

@@ -410,7 +410,8 @@ void set_max_dynamic_smem(Kernel kernel, int bytes) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-// The row-parallel GEMV's instances, by batch rows (launch_rowwise takes the smallest that holds B).
+// The row-parallel GEMV's instances, by batch rows (launch_rowwise takes the smallest that holds
+// B).
 constexpr int kRowwiseBatches[] = {1, 2, 4};
 static_assert(kRowwiseBatches[2] == fg::kRowwiseMaxBatch, "the largest serves every batch");
 
@@ -419,18 +420,15 @@ void for_each_rowwise_batch(F&& f) {
   for_each_value<kRowwiseBatches>(f, std::make_index_sequence<std::size(kRowwiseBatches)>{});
 }
 
-// The certified pass 1's tiles (fg::Pass1Tile): certified_forward picks one, device_info sets
-// each instance's shared memory.
-template <int kBlockM, int kBlockN>
-struct Pass1Shape {
-  static constexpr int kM = kBlockM;
-  static constexpr int kN = kBlockN;
-};
+// Calls f(Tile{}) for each of the certified pass 1's tiles (fg::Pass1Tiles): certified_forward
+// picks one, device_info sets each instance's shared memory.
+template <typename F, typename... Tiles>
+void for_each_tile_in(F&& f, fg::Pass1TileList<Tiles...>) {
+  (f(Tiles{}), ...);
+}
 template <typename F>
-void for_each_pass1_shape(F&& f) {
-  f(Pass1Shape<64, 128>{});
-  f(Pass1Shape<128, 128>{});
-  f(Pass1Shape<128, 256>{});
+void for_each_pass1_tile(F&& f) {
+  for_each_tile_in(f, fg::Pass1Tiles{});
 }
 
 template <typename Kernel>
@@ -555,10 +553,9 @@ const DeviceInfo& device_info(int device) {
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
       if (attributes.binaryVersion == 90) {
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
-        for_each_pass1_shape([](auto shape) {
-          using Shape = decltype(shape);
-          set_max_dynamic_smem(fg::certified_pass1_kernel<Shape::kM, Shape::kN>,
-                               fg::Pass1Tile<Shape::kM, Shape::kN>::kSmemBytes);
+        for_each_pass1_tile([](auto tile) {
+          using Tile = decltype(tile);
+          set_max_dynamic_smem(fg::certified_pass1_kernel<Tile::kM, Tile::kN>, Tile::kSmemBytes);
         });
         info->wgmma_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_wgmma_splitk_kernel,
                                                        fg::kWgThreads, fg::kWgSmemBytes);
@@ -1143,16 +1140,16 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
                                     outputs.out, outputs.argmax, outputs.preactivation));
 }
 
-// Pass 1 on block_m x block_n tiles (one of for_each_pass1_shape's), with `config`'s grid.
+// Pass 1 on block_m x block_n tiles (one of fg::Pass1Tiles), with `config`'s grid.
 void launch_pass1(int64_t block_m, int64_t block_n, cudaLaunchConfig_t config,
                   const fg::GemmParams& gemm, const fg::TmaMaps& maps) {
   bool launched = false;
-  for_each_pass1_shape([&](auto shape) {
-    using Shape = decltype(shape);
-    if (block_m != Shape::kM || block_n != Shape::kN) return;
-    config.dynamicSmemBytes = fg::Pass1Tile<Shape::kM, Shape::kN>::kSmemBytes;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, fg::certified_pass1_kernel<Shape::kM, Shape::kN>,
-                                      gemm, maps));
+  for_each_pass1_tile([&](auto tile) {
+    using Tile = decltype(tile);
+    if (block_m != Tile::kM || block_n != Tile::kN) return;
+    config.dynamicSmemBytes = Tile::kSmemBytes;
+    C10_CUDA_CHECK(
+        cudaLaunchKernelEx(&config, fg::certified_pass1_kernel<Tile::kM, Tile::kN>, gemm, maps));
     launched = true;
   });
   TORCH_CHECK(launched, "fused_pool_gelu.forward: internal error: no pass-1 kernel for ", block_m,
@@ -1304,8 +1301,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     double scale, const c10::optional<at::Tensor>& prepared_weight) {
   check_forward_inputs(x, weight, bias);
-  check_dtype_in("forward", "x", x, {at::kFloat, at::kHalf, at::kBFloat16},
-                 "float32, float16 or bfloat16");
+  check_cuda_floating_dtype("forward", "x", x);
   // Checked whichever path runs (only the certified one reads it): a stale one fails every call.
   if (prepared_weight.has_value()) check_prepared_weight("forward", *prepared_weight, weight);
   c10::cuda::CUDAGuard guard(x.device());

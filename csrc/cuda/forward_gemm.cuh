@@ -161,7 +161,7 @@ struct GemmParams {
   int64_t rows;           // rows of x in this launch
   int64_t n;
   int64_t k;              // padded K (multiple of 4; the GEMV also needs < 2^31 - 2 kSimtChunkK)
-  int64_t k_per_split;    // a multiple of the kernel's K step (kSimtChunkK, kTcBlockK)
+  int64_t k_per_split;    // a multiple of the kernel's planning granularity (its K step)
   // certified_pass1_kernel only (the others leave them null): the power of two that undoes the
   // scaling of each weight row's fp16 copy, w_inverse_scale[n * w_inverse_scale_stride] (the
   // prepared weight's trailers, prepared_weight.h); per x row and split (x_sumsq[row * splits + s],
@@ -184,8 +184,9 @@ struct GemmParams {
 // A CTA owns kSimtRowsPerCta weight rows and one K range (its split). Inside a warp, a quad of 4
 // lanes shares a row and reads 4 x 16 B = 64 contiguous bytes per load instruction (8 rows per
 // instruction, every 32-byte sector fully used); each lane works on kSimtRowsPerLane rows so each
-// x value read from shared memory feeds 8 FMAs. The 8 warps split the K range: warp w takes step w
-// of every staged chunk of x, then the warps' sums are added in warp order through shared memory.
+// float4 of x read from shared memory feeds 8 FMAs. The 8 warps split the K range: warp w takes
+// step w of every staged chunk of x, then the warps' sums are added in warp order through shared
+// memory.
 // Weights: the next chunk's loads are issued before the current chunk is computed (register double
 // buffering). x: chunks are staged with cp.async into two shared buffers, the next chunk landing
 // while the current one is computed.
@@ -207,7 +208,7 @@ constexpr int kSimtStepK = kSimtSegmentK * kSimtLoadsPerRow;     // 32 floats pe
 constexpr int kSimtChunkK = kSimtStepK * kSimtWarps;             // 256 floats of x staged at once
 constexpr int kSimtXBuffers = 2;                                 // x chunk double buffer
 // Batch rows per CTA (register arrays): the host picks the smallest power of two >= B, up to this;
-// more rows run as several batch tiles (grid y). Registers (ptxas, sm_90a, CUDA 13.0): 126 at 16,
+// more rows run as several batch tiles (grid z). Registers (ptxas, sm_90a, CUDA 13.0): 126 at 16,
 // 2 CTAs per SM. A 32-row tile took 246 (one CTA of 8 warps per SM) and ran B = 17-32 slower than
 // two 16-row tiles, though those read the weight twice (the second time mostly from L2). H200 own
 // times, GEMV + epilogue, B = 24 / 32 (profile_forward.py, 2026-11-30 14:33-14:41 UTC), one 32-row
@@ -782,7 +783,8 @@ constexpr int kTcGemvSmemBytes = kTcGemvWarps * kTcGemvStages * kTcGemvStageByte
 
 __global__ void __launch_bounds__(kTcGemvThreads, 1) tf32x3_gemv_splitk_kernel(const GemmParams p) {
   constexpr int kStageF4 = kTcGemvStageBytes / 16;
-  // Sum rows padded by one float: a warp's stores (8 batch rows x 4 row pairs) hit distinct banks.
+  // Sum rows padded by one float: a warp's store (8 batch rows g x 4 rows 2 t) spreads over banks
+  // g + 2 t, at most 4 lanes to a bank, against 8 on 4 banks (2 t) unpadded.
   constexpr int kSumsLd = kTcGemvRowsPerCta + 1;
   static_assert(kTcGemvWarps * kTcGemvBatchTile * kSumsLd * 4 <= kTcGemvSmemBytes,
                 "the cross-warp sums must fit in the rings they reuse");

@@ -16,7 +16,7 @@
 //   warpgroup 0, the producer: cp.async loads of the x and weight tiles into a kWgStages ring,
 //     the 3xTF32 split of each landed weight tile (below), then the stage's release;
 //   warpgroups 1 and 2, the consumers: consumer c owns x rows [64 c, 64 c + 64) and all 128 weight
-//     rows, one m64n128k8 wgmma per K step of 8.
+//     rows, three m64n128k8 wgmmas (3xTF32) per K step of 8.
 // Stages are handed over with mbarriers (full: the 128 producer threads arrive; empty: the 256
 // consumer threads arrive), so the two consumer warpgroups never wait for each other and the
 // producer's loads and splits overlap their tensor-core work. The consumers need ~200 registers
@@ -109,10 +109,13 @@ constexpr int kWgProducerRows = kWgBlockM / kWgProducerRowStep;           // 8 r
 
 static_assert(kWgConsumerWarps * 16 == kWgBlockM, "16 x rows per consumer warp");
 static_assert(kWgProducerThreads + 32 * kWgConsumerWarps == kWgThreads, "warp roles");
+// Registers per thread at launch: 65536 / kWgThreads, rounded down to setmaxnreg's multiple of 8.
+constexpr int kWgLaunchRegisters = 65536 / kWgThreads / 8 * 8;
+static_assert(kWgLaunchRegisters == 168, "384 threads");
 static_assert(kWgProducerThreads * kWgProducerRegisters +
                       32 * kWgConsumerWarps * kWgConsumerRegisters <=
-                  kWgThreads * 168,
-              "setmaxnreg must stay within the launch's registers (65536 / 384, rounded to 8)");
+                  kWgThreads * kWgLaunchRegisters,
+              "setmaxnreg must stay within the launch's registers");
 static_assert(kWgBlockM == kWgBlockN, "the producer walks x and weight tiles with the same rows");
 static_assert(kWgBlockK * 4 == 128, "one 128-byte swizzle row per tile row");
 static_assert(kWgWeightTileBytes % kWgSwizzleAlign == 0, "swizzled tiles stay 1024-byte aligned");
@@ -144,10 +147,6 @@ __device__ __forceinline__ void wgmma_commit() {
 }
 __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-// Waits until at most one committed wgmma group is still running.
-__device__ __forceinline__ void wgmma_wait_one() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
 }
 // Named barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads').
 __device__ __forceinline__ void consumer_barrier() {
@@ -517,9 +516,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
 }
 
 
-// The certified pass 1's tensor maps, both with the 128-byte swizzle: x in float32 (box 32 K x 128
-// rows: two per stage) and the weight's fp16 copy (certified::prepare_rows_kernel; box 64 K x 256
-// rows).
+// The certified pass 1's tensor maps, both with the 128-byte swizzle: x in float32 (box 32 K x
+// kBlockM rows: two per stage) and the weight's fp16 copy (certified::prepare_rows_kernel; box 64 K
+// x kBlockN rows).
 struct TmaMaps {
   CUtensorMap x;
   CUtensorMap w;
@@ -568,7 +567,9 @@ constexpr int kPass1ProducerRegisters = 56;
 constexpr int kPass1ConsumerRegisters = 224;
 static_assert(kPass1BlockK * 2 == 128 && kPass1XBoxK * 4 == 128,
               "one 128-byte swizzle row per tile row");
-static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= kWgThreads * 168,
+static_assert(kWgProducerThreads * kPass1ProducerRegisters +
+                      32 * kWgConsumerWarps * kPass1ConsumerRegisters <=
+                  kWgThreads * kWgLaunchRegisters,
               "setmaxnreg within the launch's registers");
 
 // Pass 1's shared memory for a tile of kBlockN weight rows. 256 where the batch fills the GPU with
@@ -586,6 +587,8 @@ static_assert(128 * kPass1ProducerRegisters + 256 * kPass1ConsumerRegisters <= k
 // the columns): slower there, for half the partials.
 template <int kBlockM, int kBlockN>
 struct Pass1Tile {
+  static constexpr int kM = kBlockM;
+  static constexpr int kN = kBlockN;
   static_assert(kBlockN == 128 || kBlockN == 256, "one m64n128k16 or m64n256k16 wgmma per K step");
   static_assert(kBlockM == 128 || (kBlockM == 64 && kBlockN == 128), "64 x 128 or 128-row tiles");
   static constexpr int kXBoxBytes = kBlockM * kPass1XBoxK * 4;
@@ -610,9 +613,13 @@ struct Pass1Tile {
                 "swizzled tiles stay 1024-byte aligned");
   static_assert(kBlockN <= 32 * kWgConsumerWarps, "one column scale per consumer thread at most");
 };
-constexpr int kPass1MaxSmemBytes = std::max(
-    {Pass1Tile<128, 128>::kSmemBytes, Pass1Tile<128, 256>::kSmemBytes,
-     Pass1Tile<64, 128>::kSmemBytes});
+// The tiles pass 1 is compiled for (forward.cu's certified_forward picks one per call).
+template <typename... Tiles>
+struct Pass1TileList {
+  static constexpr int kMaxSmemBytes = std::max({Tiles::kSmemBytes...});
+};
+using Pass1Tiles = Pass1TileList<Pass1Tile<64, 128>, Pass1Tile<128, 128>, Pass1Tile<128, 256>>;
+constexpr int kPass1MaxSmemBytes = Pass1Tiles::kMaxSmemBytes;
 
 #if FPG_WGMMA_DEVICE_CODE
 // d += a * b on 64 x 256 x 16: a fp16 from registers (the m16n8k16 A fragment of each warp's 16
