@@ -393,7 +393,7 @@ void for_each_value(F&& f, std::index_sequence<kIndices...>) {
 }
 
 constexpr int kSimtBatchTiles[] = {1, 2, 4, 8, 16};
-constexpr int kNumSimtBatchTiles = sizeof(kSimtBatchTiles) / sizeof(kSimtBatchTiles[0]);
+constexpr int kNumSimtBatchTiles = static_cast<int>(std::size(kSimtBatchTiles));
 static_assert(kSimtBatchTiles[kNumSimtBatchTiles - 1] == fg::kSimtMaxBatchTile, "batch tiles");
 
 // Calls f(std::integral_constant<int, kSimtBatchTiles[i]>).
@@ -413,7 +413,8 @@ void set_max_dynamic_smem(Kernel kernel, int bytes) {
 // The row-parallel GEMV's instances, by batch rows (launch_rowwise takes the smallest that holds
 // B).
 constexpr int kRowwiseBatches[] = {1, 2, 4};
-static_assert(kRowwiseBatches[2] == fg::kRowwiseMaxBatch, "the largest serves every batch");
+static_assert(kRowwiseBatches[std::size(kRowwiseBatches) - 1] == fg::kRowwiseMaxBatch,
+              "the largest serves every batch");
 
 template <typename F>
 void for_each_rowwise_batch(F&& f) {
