@@ -178,6 +178,38 @@ struct GemmParams {
   int* zeroed_counters;
 };
 
+// Split `split`'s partial sums of batch rows b0 .. b0 + kBatchRows - 1 and weight rows n0 .. n0 +
+// kRows - 1 (clipped to the launch's rows and N), each the sum in warp order of kWarps warps'
+// values staged in shared memory as sums[(warp * kBatchRows + b) * kLd + row]; kThreads threads
+// from `tid` on.
+template <int kWarps, int kBatchRows, int kRows, int kLd, int kThreads>
+__device__ __forceinline__ void store_warp_sums(const GemmParams& p, const float* sums, int tid,
+                                                int64_t split, int64_t b0, int64_t n0) {
+  for (int o = tid; o < kBatchRows * kRows; o += kThreads) {
+    const int bb = o / kRows;
+    const int row = o % kRows;
+    float sum = sums[bb * kLd + row];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) sum += sums[(w * kBatchRows + bb) * kLd + row];
+    const int64_t b = b0 + bb;
+    const int64_t n = n0 + row;
+    if (b < p.rows && n < p.n) p.partial[split * p.split_stride + b * p.n + n] = sum;
+  }
+}
+
+// Columns col and col + 1 of `out_row` (a row of split partial sums), the pair an m16n8
+// accumulator fragment holds at (g, 2t) or (g + 8, 2t), clipped to N: one float2 store where N is
+// even (even_n: then col, always even, and col < N imply col + 1 < N).
+__device__ __forceinline__ void store_partial_pair(float* out_row, int64_t col, int64_t n,
+                                                   bool even_n, float v0, float v1) {
+  if (even_n) {
+    if (col < n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
+  } else {
+    if (col < n) out_row[col] = v0;
+    if (col + 1 < n) out_row[col + 1] = v1;
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Small batch: SIMT split-K GEMV.
 //
@@ -266,16 +298,8 @@ __device__ __forceinline__ void write_simt_partials(
     }
   }
   __syncthreads();
-  for (int o = tid; o < kBatchTile * kSimtRowsPerCta; o += kSimtThreads) {
-    const int bb = o / kSimtRowsPerCta;
-    const int row = o % kSimtRowsPerCta;
-    float sum = red[bb * kSimtRowsPerCta + row];
-#pragma unroll
-    for (int w = 1; w < kSimtWarps; ++w) sum += red[(w * kBatchTile + bb) * kSimtRowsPerCta + row];
-    const int64_t b = b0 + bb;
-    const int64_t n = n0 + row;
-    if (b < p.rows && n < p.n) p.partial[split * p.split_stride + b * p.n + n] = sum;
-  }
+  store_warp_sums<kSimtWarps, kBatchTile, kSimtRowsPerCta, kSimtRowsPerCta, kSimtThreads>(
+      p, red, tid, split, b0, n0);
 }
 
 template <int kBatchTile>
@@ -708,8 +732,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const Gemm
   const int g = lane >> 2;
   const int t = lane & 3;
   float* out = p.partial + split * p.split_stride;
-  // float2 stores need an even row length (then col = 2t + 8 j is even and col < N => col + 1 < N).
-  const bool vec2 = (p.n % 2) == 0;
+  const bool even_n = (p.n % 2) == 0;
 #pragma unroll
   for (int mt = 0; mt < kTcFragsM; ++mt) {
 #pragma unroll
@@ -720,14 +743,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const Gemm
 #pragma unroll
       for (int nt = 0; nt < kTcFragsN; ++nt) {
         const int64_t col = n0 + warp_n * kTcWarpTileN + nt * kTcMmaN + 2 * t;
-        const float v0 = total[mt][nt][2 * h];
-        const float v1 = total[mt][nt][2 * h + 1];
-        if (vec2) {
-          if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
-        } else {
-          if (col < p.n) out_row[col] = v0;
-          if (col + 1 < p.n) out_row[col + 1] = v1;
-        }
+        store_partial_pair(out_row, col, p.n, even_n, total[mt][nt][2 * h],
+                           total[mt][nt][2 * h + 1]);
       }
     }
   }
@@ -922,16 +939,8 @@ __global__ void __launch_bounds__(kTcGemvThreads, 1) tf32x3_gemv_splitk_kernel(c
     }
   }
   __syncthreads();
-  for (int o = tid; o < kTcGemvBatchTile * kTcGemvRowsPerCta; o += kTcGemvThreads) {
-    const int bb = o / kTcGemvRowsPerCta;
-    const int row = o % kTcGemvRowsPerCta;
-    float sum = sums[bb * kSumsLd + row];
-#pragma unroll
-    for (int w = 1; w < kTcGemvWarps; ++w) sum += sums[(w * kTcGemvBatchTile + bb) * kSumsLd + row];
-    const int64_t b = b0 + bb;
-    const int64_t n = n0 + row;
-    if (b < p.rows && n < p.n) p.partial[split * p.split_stride + b * p.n + n] = sum;
-  }
+  store_warp_sums<kTcGemvWarps, kTcGemvBatchTile, kTcGemvRowsPerCta, kSumsLd, kTcGemvThreads>(
+      p, sums, tid, split, b0, n0);
 }
 
 }  // namespace forward_gemm

@@ -259,7 +259,7 @@ __device__ __forceinline__ void store_partial(const GemmParams& p, const float (
   const int g = lane >> 2;
   const int t = lane & 3;
   float* out = p.partial + split * p.split_stride;
-  const bool vec2 = (p.n % 2) == 0;  // then col even and col < N => col + 1 < N
+  const bool even_n = (p.n % 2) == 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t m = row0 + g + 8 * h;
@@ -267,15 +267,8 @@ __device__ __forceinline__ void store_partial(const GemmParams& p, const float (
     float* out_row = out + m * p.n;
 #pragma unroll
     for (int j = 0; j < kAccum / 4; ++j) {
-      const int64_t col = n0 + 8 * j + 2 * t;
-      const float v0 = acc[4 * j + 2 * h];
-      const float v1 = acc[4 * j + 2 * h + 1];
-      if (vec2) {
-        if (col < p.n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
-      } else {
-        if (col < p.n) out_row[col] = v0;
-        if (col + 1 < p.n) out_row[col + 1] = v1;
-      }
+      store_partial_pair(out_row, n0 + 8 * j + 2 * t, p.n, even_n, acc[4 * j + 2 * h],
+                         acc[4 * j + 2 * h + 1]);
     }
   }
 }
