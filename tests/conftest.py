@@ -168,6 +168,22 @@ def _grouped_sums(x, dz, argmax, pooled):
 
 
 @pytest.fixture
+def deterministic_algorithms():
+    """Runs the test under torch.use_deterministic_algorithms(True), which also fills fresh
+    allocations with NaN (an output element a kernel never writes shows); restores the previous
+    mode."""
+    previous, previous_warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
+
+
+@pytest.fixture
 def ref():
     return SimpleNamespace(
         fold=_fold64,

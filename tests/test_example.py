@@ -42,13 +42,6 @@ def test_compare_on_cpu_reaches_the_same_losses(tmp_path):
     assert _max_difference(result.stdout) <= 1e-4
 
 
-def test_amp_reports_the_output_dtypes(tmp_path):
-    result = _run([*SMALL, "--compare", "--amp"], cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    dtypes = r"--amp: output dtype ModelNew torch\.\w+, Model torch\.bfloat16"
-    assert re.search(dtypes, result.stdout), result.stdout
-
-
 def test_ddp_over_two_gloo_ranks_agrees(tmp_path):
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     result = _run([*SMALL, "--compare", "--ddp"], launcher=launcher, cwd=tmp_path)

@@ -3,6 +3,8 @@ the reference Model, gradcheck in float64, determinism."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
@@ -25,17 +27,15 @@ SHAPES = [
     pytest.param((300, 64, 80, 4), id="B=300"),
 ]
 
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
-
-
 def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
 def _model_like(weight, bias, k, scale):
+    """The reference Model in float64 on weight's device, holding weight and bias."""
     out_features, in_features = weight.shape
     model = fused_pool_gelu.Model(in_features, out_features, k, scale)
-    model = model.to(device=weight.device, dtype=weight.dtype)
+    model = model.to(device=weight.device, dtype=torch.float64)
     with torch.no_grad():
         model.matmul.weight.copy_(weight)
         model.matmul.bias.copy_(bias)
@@ -44,28 +44,28 @@ def _model_like(weight, bias, k, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fold_forward_gradients_match_model(shape, dtype, device, make_inputs):
+def test_fold_forward_gradients_match_model(shape, dtype, device, make_inputs, ref):
     batch, in_features, out_features, k = shape
     scale = 2.0
     x, weight, bias = make_inputs(batch, in_features, out_features, dtype, device)
     grad_out = torch.randn(batch, dtype=dtype, device=device)
 
     model = _model_like(weight, bias, k, scale)
-    x_ref = _leaf(x)
-    (model(x_ref) * grad_out).sum().backward()
+    x_ref = _leaf(x.double())
+    (model(x_ref) * grad_out.double()).sum().backward()
 
     x_ours, weight_ours, bias_ours = _leaf(x), _leaf(weight), _leaf(bias)
     pooled_weight, pooled_bias = ops.fold(weight_ours, bias_ours, k)
     (ops.forward(x_ours, pooled_weight, pooled_bias, scale) * grad_out).sum().backward()
 
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=tol, rtol=tol)
-    torch.testing.assert_close(weight_ours.grad, model.matmul.weight.grad, atol=tol, rtol=tol)
-    torch.testing.assert_close(bias_ours.grad, model.matmul.bias.grad, atol=tol, rtol=tol)
+    tol = ref.tolerance(dtype)
+    for ours, expected in [(x_ours, x_ref), (weight_ours, model.matmul.weight),
+                           (bias_ours, model.matmul.bias)]:
+        torch.testing.assert_close(ours.grad.double(), expected.grad, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("layout", ["transposed", "sliced_columns", "sliced_rows"])
-def test_gradients_for_non_contiguous_x_match_model(layout, device, exact_dtype, make_inputs):
+def test_gradients_for_non_contiguous_x_match_model(layout, device, exact_dtype, make_inputs, ref):
     batch, in_features, out_features, k = 9, 20, 30, 3
     _, weight, bias = make_inputs(1, in_features, out_features, exact_dtype, device)
     gen = dict(dtype=exact_dtype, device=device)
@@ -79,28 +79,32 @@ def test_gradients_for_non_contiguous_x_match_model(layout, device, exact_dtype,
         base = torch.randn(2 * batch, in_features, **gen)
         view = lambda b: b[::2]  # noqa: E731
     model = _model_like(weight, bias, k, 2.0)
-    base_ref, base_ours = _leaf(base), _leaf(base)
+    base_ref, base_ours = _leaf(base.double()), _leaf(base)
     model(view(base_ref)).sum().backward()
     weight_ours, bias_ours = _leaf(weight), _leaf(bias)
     pooled_weight, pooled_bias = ops.fold(weight_ours, bias_ours, k)
     ops.forward(view(base_ours), pooled_weight, pooled_bias, 2.0).sum().backward()
-    tol = TOLERANCE[exact_dtype]
-    torch.testing.assert_close(base_ours.grad, base_ref.grad, atol=tol, rtol=tol)
-    torch.testing.assert_close(weight_ours.grad, model.matmul.weight.grad, atol=tol, rtol=tol)
+    tol = ref.tolerance(exact_dtype)
+    torch.testing.assert_close(base_ours.grad.double(), base_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        weight_ours.grad.double(), model.matmul.weight.grad, atol=tol, rtol=tol
+    )
 
 
 @pytest.mark.parametrize("scale", [-1.5, 0.0], ids=str)
-def test_gradients_follow_any_scale(scale, device, exact_dtype, make_inputs):
+def test_gradients_follow_any_scale(scale, device, exact_dtype, make_inputs, ref):
     x, weight, bias = make_inputs(8, 16, 12, exact_dtype, device)
     model = _model_like(weight, bias, 3, scale)
-    x_ref = _leaf(x)
+    x_ref = _leaf(x.double())
     model(x_ref).sum().backward()
     x_ours, weight_ours = _leaf(x), _leaf(weight)
     pooled_weight, pooled_bias = ops.fold(weight_ours, bias, 3)
     ops.forward(x_ours, pooled_weight, pooled_bias, scale).sum().backward()
-    tol = TOLERANCE[exact_dtype]
-    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=tol, rtol=tol)
-    torch.testing.assert_close(weight_ours.grad, model.matmul.weight.grad, atol=tol, rtol=tol)
+    tol = ref.tolerance(exact_dtype)
+    torch.testing.assert_close(x_ours.grad.double(), x_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        weight_ours.grad.double(), model.matmul.weight.grad, atol=tol, rtol=tol
+    )
 
 
 # gradcheck needs float64, a CPU dtype (the CUDA kernels run float32, float16 and bfloat16); the
@@ -171,7 +175,7 @@ def test_double_backward_of_forward_raises_a_clear_error(device, exact_dtype):
 
 
 @pytest.mark.parametrize("used", ["out", "preactivation", "both"])
-def test_gradient_of_preactivation_is_honoured(used, device, exact_dtype, make_inputs):
+def test_gradient_of_preactivation_is_honoured(used, device, exact_dtype, make_inputs, ref):
     x, weight, bias = make_inputs(10, 24, 6, exact_dtype, device)
     scale = 1.5
     g_out = torch.randn(10, dtype=exact_dtype, device=device)
@@ -196,7 +200,7 @@ def test_gradient_of_preactivation_is_honoured(used, device, exact_dtype, make_i
     if used != "out":
         ref_loss = ref_loss + (z_at * g_pre.double()).sum()
     ref_loss.backward()
-    tol = TOLERANCE[exact_dtype]
+    tol = ref.tolerance(exact_dtype)
     for ours, expected in zip(leaves, ref_leaves):
         torch.testing.assert_close(ours.grad.double(), expected.grad, atol=tol, rtol=tol)
 
@@ -262,37 +266,37 @@ def test_backward_sums_each_group_in_the_order_both_devices_share(batch, pooled,
     assert torch.equal(grad_bias.cpu().view(torch.int32), expected_bias.view(torch.int32))
 
 
-def test_bias_none_gives_no_bias_gradient(device, exact_dtype, make_inputs):
+def test_bias_none_gives_no_bias_gradient(device, exact_dtype, make_inputs, ref):
     x, weight, _ = make_inputs(8, 16, 12, exact_dtype, device, bias=False)
     x_ours, weight_ours = _leaf(x), _leaf(weight)
     pooled_weight, pooled_bias = ops.fold(weight_ours, None, 3)
     ops.forward(x_ours, pooled_weight, None, 2.0).sum().backward()
 
-    linear = torch.nn.Linear(16, 12, bias=False).to(device=device, dtype=exact_dtype)
+    linear = torch.nn.Linear(16, 12, bias=False).to(device=device, dtype=torch.float64)
     with torch.no_grad():
         linear.weight.copy_(weight)
-    x_ref = _leaf(x)
+    x_ref = _leaf(x.double())
     y = torch.nn.functional.avg_pool1d(linear(x_ref).unsqueeze(1), 3).squeeze(1)
     (torch.nn.functional.gelu(y) * 2.0).max(dim=1).values.sum().backward()
 
-    tol = TOLERANCE[exact_dtype]
-    torch.testing.assert_close(x_ours.grad, x_ref.grad, atol=tol, rtol=tol)
-    torch.testing.assert_close(weight_ours.grad, linear.weight.grad, atol=tol, rtol=tol)
+    tol = ref.tolerance(exact_dtype)
+    torch.testing.assert_close(x_ours.grad.double(), x_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(weight_ours.grad.double(), linear.weight.grad, atol=tol, rtol=tol)
     # The zero pooled bias of a bias-free fold depends on nothing: no gradient flows from it.
     (grad_weight,) = torch.autograd.grad(pooled_bias.sum(), weight_ours, allow_unused=True)
     assert grad_weight is None or not bool(grad_weight.any())
 
 
-def test_forward_without_bias_matches_reference_gradients(device, exact_dtype, make_inputs):
+def test_forward_without_bias_matches_reference_gradients(device, exact_dtype, make_inputs, ref):
     x, weight, _ = make_inputs(5, 8, 3, exact_dtype, device, bias=False)
     x, weight = _leaf(x), _leaf(weight)
     grads = torch.autograd.grad(ops.forward(x, weight, None, 2.0).sum(), (x, weight))
-    x_ref, weight_ref = _leaf(x), _leaf(weight)
-    ref = (torch.nn.functional.gelu(x_ref @ weight_ref.t()) * 2.0).max(dim=1).values
-    expected = torch.autograd.grad(ref.sum(), (x_ref, weight_ref))
-    tol = TOLERANCE[exact_dtype]
+    x_ref, weight_ref = _leaf(x.double()), _leaf(weight.double())
+    out_ref = (torch.nn.functional.gelu(x_ref @ weight_ref.t()) * 2.0).max(dim=1).values
+    expected = torch.autograd.grad(out_ref.sum(), (x_ref, weight_ref))
+    tol = ref.tolerance(exact_dtype)
     for ours, theirs in zip(grads, expected):
-        torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+        torch.testing.assert_close(ours.double(), theirs, atol=tol, rtol=tol)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,7 +428,9 @@ def _poison_allocator(device, *numels):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", MODEL_BACKWARD_CASES)
-def test_model_backward_equals_fold_backward_of_forward_backward_bit_for_bit(case, dtype, device):
+def test_model_backward_equals_fold_backward_of_forward_backward_bit_for_bit(
+    case, dtype, device, ref
+):
     batch, pooled, in_features, k, out_features, distribution = case
     generator = torch.Generator().manual_seed(batch * 1000 + pooled)
 
@@ -457,6 +463,24 @@ def test_model_backward_equals_fold_backward_of_forward_backward_bit_for_bit(cas
         assert tuple(got.shape) == shape and got.dtype == dtype and got.device == want.device
         assert torch.equal(_bits(got), _bits(want))
     assert not ours[1].isnan().any() and not ours[2].isnan().any()
+
+    # On the CPU model_backward is that very composition (csrc/model_forward.cpp): the values are
+    # checked against the float64 formulas too, so that the CPU case can fail.
+    z = preactivation.double().cpu()
+    gelu_grad = 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-0.5 * z * z) / math.sqrt(
+        2 * math.pi
+    )
+    dz = grad_out.double().cpu() * 2.0 * gelu_grad
+    weight64, argmax64 = pooled_weight.double().cpu(), argmax.cpu()
+    grad_pooled_weight64, grad_pooled_bias64 = ref.grouped_sums(x.double(), dz, argmax64, pooled)
+    grad_weight64 = torch.zeros(out_features, in_features, dtype=torch.float64)
+    grad_weight64[: pooled * k] = (grad_pooled_weight64 / k).repeat_interleave(k, dim=0)
+    grad_bias64 = torch.zeros(out_features, dtype=torch.float64)
+    grad_bias64[: pooled * k] = (grad_pooled_bias64 / k).repeat_interleave(k)
+    tol = ref.tolerance(dtype)
+    for got, want in zip(ours, (dz[:, None] * weight64[argmax64], grad_weight64, grad_bias64)):
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        torch.testing.assert_close(got.double().cpu(), want, atol=tol * scale, rtol=tol)
 
 
 def test_model_backward_double_backward_raises_a_clear_error(device):

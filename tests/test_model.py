@@ -155,12 +155,18 @@ def test_from_model_names_what_it_expected():
 
 @pytest.mark.parametrize("batch", [1, 17])
 @pytest.mark.parametrize("args", ARGS)
-def test_forward_matches_model(args, batch, device):
+def test_forward_matches_model(args, batch, device, ref):
     model, new = _pair(args, device)
     x = torch.rand(batch, args[0], device=device)  # KernelBench draws x with torch.rand
     out = new(x)
     assert out.shape == (batch,) and out.dtype == torch.float32
-    torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).double()(x.double())
+    # Relative to the outputs' size: at k = O they are ~1e-3, where a fixed atol would hide a lot.
+    tol = ref.tolerance(torch.float32)
+    torch.testing.assert_close(
+        out.double(), expected, atol=tol * float(expected.abs().max()), rtol=tol
+    )
 
 
 @pytest.mark.parametrize("args", ARGS)

@@ -99,10 +99,16 @@ def test_fold_accepts_non_contiguous_weight(layout, device, ref):
     torch.testing.assert_close(pooled_bias.double(), expected_bias, atol=1e-6, rtol=1e-6)
 
 
+# (O, K, k); O % k != 0 in the last three: the tail rows, which fold_backward must write as zeros
+# into its fresh output (NaN-filled here by the deterministic mode).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(9, 4, 3), (8, 5, 8), (7, 3, 1), (1, 2, 1)], ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    [(9, 4, 3), (8, 5, 8), (7, 3, 1), (1, 2, 1), (10, 4, 3), (13, 5, 4), (7, 9, 2)],
+    ids=str,
+)
 def test_fold_backward_spreads_each_pooled_row_over_its_group_divided_by_k(
-    shape, dtype, device
+    shape, dtype, device, deterministic_algorithms
 ):
     out_features, in_features, k = shape
     n = out_features // k

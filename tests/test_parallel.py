@@ -36,7 +36,9 @@ def _out_features(world_size):
 
 
 def _tolerance(dtype):
-    return {torch.float64: 1e-5, torch.float32: 1e-4}[dtype]
+    # As conftest's for a dtype against float64: the sharded and unsharded sums differ only in
+    # their order (per rank, then across ranks), a few ulps.
+    return {torch.float64: 1e-10, torch.float32: 1e-5}[dtype]
 
 
 def _models(dtype, device, seed=0):

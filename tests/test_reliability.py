@@ -681,20 +681,6 @@ def _training_results(new, x, grad_out):
     return [inference, out.detach(), x_leaf.grad, new.matmul.weight.grad, new.matmul.bias.grad]
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    """Runs the test under torch.use_deterministic_algorithms(True); restores the previous mode."""
-    previous, previous_warn_only = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
-
-
 # Many rows share each arg-max (the reductions of the backward), K splits on CUDA.
 DETERMINISM_BATCHES = [pytest.param(8, id="B=8"), pytest.param(300, id="B=300")]
 
