@@ -58,9 +58,9 @@ class ModelNew(nn.Module):
     The pooling is folded into the weight (``ops.fold``) and the rest runs as one fused op
     (``ops.forward``). When no gradient is needed, the folded weight (with, on CUDA in float32,
     its ``ops.prepare_weight`` copy) is cached and refolded only after ``matmul.weight`` or
-    ``matmul.bias`` change (optimizer step, in-place edit,
-    ``load_state_dict``, ``.to()``), detected through the parameters' identity, storage pointer and
-    version counter: no host sync per call. Edits through ``.data`` bypass the version counter; call
+    ``matmul.bias`` change (optimizer step, in-place edit, ``load_state_dict``, ``.to()``),
+    detected through the parameters' identity, storage pointer and version counter (no host sync
+    per call), or ``pool_kernel_size`` does. Edits through ``.data`` bypass the version counter; call
     :meth:`invalidate_fold` after such an edit. When gradients are needed (training), the fold is
     recorded in the autograd graph each call so that weight and bias get their gradients: eagerly
     and under CUDA-graph capture through ``ops.model_forward`` (fold and forward as one autograd
