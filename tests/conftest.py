@@ -183,6 +183,12 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
 
 
+def _gelu_grad64(z):
+    """d/dz gelu(z) = Phi(z) + z phi(z), in z's dtype (float64 for a reference)."""
+    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+    return cdf + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
 @pytest.fixture
 def ref():
     return SimpleNamespace(
@@ -192,6 +198,7 @@ def ref():
         model_forward=_model_forward,
         tolerance=_tolerance,
         grouped_sums=_grouped_sums,
+        gelu_grad=_gelu_grad64,
     )
 
 

@@ -3,8 +3,6 @@ the reference Model, gradcheck in float64, determinism."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
@@ -466,11 +464,7 @@ def test_model_backward_equals_fold_backward_of_forward_backward_bit_for_bit(
 
     # On the CPU model_backward is that very composition (csrc/model_forward.cpp): the values are
     # checked against the float64 formulas too, so that the CPU case can fail.
-    z = preactivation.double().cpu()
-    gelu_grad = 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-0.5 * z * z) / math.sqrt(
-        2 * math.pi
-    )
-    dz = grad_out.double().cpu() * 2.0 * gelu_grad
+    dz = grad_out.double().cpu() * 2.0 * ref.gelu_grad(preactivation.double().cpu())
     weight64, argmax64 = pooled_weight.double().cpu(), argmax.cpu()
     grad_pooled_weight64, grad_pooled_bias64 = ref.grouped_sums(x.double(), dz, argmax64, pooled)
     grad_weight64 = torch.zeros(out_features, in_features, dtype=torch.float64)

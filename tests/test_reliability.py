@@ -69,12 +69,6 @@ def _assert_within(actual, expected, bound, name):
     )
 
 
-def _gelu_grad64(z):
-    """d/dz gelu(z) = Phi(z) + z phi(z)."""
-    cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
-    return cdf + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-
-
 # ----------------------------------------------------------------------------------------------
 # Stride-0 (expanded) and overlapping views: the bits of a contiguous copy.
 
@@ -415,7 +409,7 @@ def test_denormal_values_give_the_float64_answer_on_the_folded_weights(
 
 
 @pytest.mark.parametrize("operand", ["x", "weight"])
-def test_denormal_values_give_the_float64_gradients(operand, device, make_inputs):
+def test_denormal_values_give_the_float64_gradients(operand, device, make_inputs, ref):
     x, weight = _denormal_case(operand, 40, device, make_inputs)
     grad_out = torch.randn(40, device=device)
     x_leaf, weight_leaf = _leaf(x), _leaf(weight)
@@ -427,7 +421,7 @@ def test_denormal_values_give_the_float64_gradients(operand, device, make_inputs
     # grad_Wp[n] = sum over rows with j = n of dz * x, expanded to the 3 rows of group n as / 3.
     wp64 = pooled_weight.detach().double()
     z64 = (x.double() * wp64[argmax]).sum(dim=1)
-    dz = grad_out.double() * 2.0 * _gelu_grad64(z64)
+    dz = grad_out.double() * 2.0 * ref.gelu_grad(z64)
     grad_x = dz[:, None] * wp64[argmax]
     grad_wp = torch.zeros_like(wp64).index_add_(0, argmax, dz[:, None] * x.double())
     grad_weight = grad_wp.repeat_interleave(3, dim=0) / 3

@@ -372,20 +372,6 @@ void for_each_row_epilogue(F&& f) {
 // Host side.
 // ------------------------------------------------------------------------------------------------
 
-// Calls f(std::integral_constant<int, i>) for a run-time i in [0, kCount).
-template <int kCount, int kIndex = 0, typename F>
-void dispatch_index(int i, F&& f) {
-  if constexpr (kIndex < kCount) {
-    if (i == kIndex) {
-      f(std::integral_constant<int, kIndex>{});
-    } else {
-      dispatch_index<kCount, kIndex + 1>(i, f);
-    }
-  } else {
-    TORCH_CHECK(false, "fused_pool_gelu.forward: internal error: index ", i, " of ", kCount);
-  }
-}
-
 // Calls f(std::integral_constant<int, kValues[i]>) for each i: one instance per listed value.
 template <const auto& kValues, typename F, size_t... kIndices>
 void for_each_value(F&& f, std::index_sequence<kIndices...>) {
@@ -396,12 +382,16 @@ constexpr int kSimtBatchTiles[] = {1, 2, 4, 8, 16};
 constexpr int kNumSimtBatchTiles = static_cast<int>(std::size(kSimtBatchTiles));
 static_assert(kSimtBatchTiles[kNumSimtBatchTiles - 1] == fg::kSimtMaxBatchTile, "batch tiles");
 
-// Calls f(std::integral_constant<int, kSimtBatchTiles[i]>).
+// Calls f(std::integral_constant<int, kSimtBatchTiles[i]>) (the tiles are distinct: one call).
 template <typename F>
 void dispatch_simt_batch_tile(int i, F&& f) {
-  dispatch_index<kNumSimtBatchTiles>(i, [&](auto index) {
-    f(std::integral_constant<int, kSimtBatchTiles[decltype(index)::value]>{});
-  });
+  TORCH_CHECK(0 <= i && i < kNumSimtBatchTiles,
+              "fused_pool_gelu.forward: internal error: batch tile index ", i);
+  for_each_value<kSimtBatchTiles>(
+      [&](auto tile) {
+        if (decltype(tile)::value == kSimtBatchTiles[i]) f(tile);
+      },
+      std::make_index_sequence<kNumSimtBatchTiles>{});
 }
 
 template <typename Kernel>
