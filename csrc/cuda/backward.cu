@@ -645,13 +645,6 @@ void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Ten
       grad_x.mutable_data_ptr<scalar_t>(), in_features, warps_per_row));
 }
 
-// True when weight rows can be read as 16-byte vectors and grad_x rows written as such.
-bool gather_is_vectorizable(const at::Tensor& weight, const at::Tensor& grad_x, int vec) {
-  return weight.size(1) % vec == 0 && weight.stride(1) == 1 && weight.stride(0) % vec == 0 &&
-         is_aligned(weight.const_data_ptr(), kVectorBytes) &&
-         is_aligned(grad_x.const_data_ptr(), kVectorBytes);
-}
-
 // The arg-max backward into the pooled gradient (forward_backward's outputs), for inputs already
 // checked on the current device. The rows of grad_weight and the entries of grad_bias whose segment
 // is empty get no sum: with zero_empty_segments (forward_backward) segment_pieces_kernel zeroes
@@ -719,7 +712,7 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
         make_dz_inputs<scalar_t>(grad_out, grad_preactivation, preactivation, scale);
 
     constexpr int kVec = vector_width<scalar_t>();
-    if (gather_is_vectorizable(weight, grad_x, kVec)) {
+    if (rows_are_vectorizable(weight, kVec) && rows_are_vectorizable(grad_x, kVec)) {
       launch_group_rows_and_grad_x<scalar_t, kVec>(dz_in, argmax, key_bits, grouping, weight,
                                                    grad_x, stream, dependent);
     } else {

@@ -1,7 +1,8 @@
 // Device helpers shared by the CUDA kernels: exact GELU and its derivative, programmatic dependent
-// launch, launch checks.
+// launch, launch checks, vectorized access.
 #pragma once
 
+#include <ATen/core/TensorBase.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <cmath>
@@ -159,6 +160,14 @@ __device__ __forceinline__ void store_vector(T* p, const AlignedVector<T, VEC>& 
 
 inline bool is_aligned(const void* ptr, int64_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) == 0;
+}
+
+// True when the rows of `t` [rows, cols] can be read or written as AlignedVector<_, vec>: unit
+// column stride, whole vectors per row, every row start 16-byte aligned. Otherwise the callers
+// take their strided scalar paths.
+inline bool rows_are_vectorizable(const at::TensorBase& t, int vec) {
+  return t.size(1) % vec == 0 && t.stride(1) == 1 && t.stride(0) % vec == 0 &&
+         is_aligned(t.const_data_ptr(), kVectorBytes);
 }
 
 // gridDim.x's limit.

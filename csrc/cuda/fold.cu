@@ -50,13 +50,6 @@ constexpr int kFoldBackwardThreads = 256;
 // unroll only trims loop overhead.
 constexpr int kFoldBackwardStoreUnroll = 4;
 
-// True when rows of `t` [rows, cols] can be read as AlignedVector<_, vec>: unit column stride,
-// whole vectors per row, every row start 16-byte aligned. Otherwise the strided scalar path runs.
-bool rows_are_vectorizable(const at::Tensor& t, int vec) {
-  return t.size(1) % vec == 0 && t.stride(1) == 1 && t.stride(0) % vec == 0 &&
-         is_aligned(t.const_data_ptr(), kVectorBytes);
-}
-
 // Thread (n, v): pooled_weight[n, v*VEC .. v*VEC+VEC-1]; the thread with v == 0 also pools bias[n]
 // (one lane in 1 of 64 warps at the default shape does k extra scalar loads: cheaper than a second
 // launch). vecs_per_row >= 1 even for in_features == 0, so that the bias is still pooled.
@@ -237,10 +230,7 @@ std::tuple<at::Tensor, at::Tensor> fold_cuda(const at::Tensor& weight,
 
   FPG_DISPATCH_CUDA_FLOATING_TYPES(weight.scalar_type(), "fused_pool_gelu.fold", [&] {
     constexpr int kVec = vector_width<scalar_t>();
-    // pooled_weight is fresh and contiguous: its rows are aligned when its start is and
-    // in_features % kVec == 0, which rows_are_vectorizable(weight) implies.
-    if (rows_are_vectorizable(weight, kVec) &&
-        is_aligned(pooled_weight.const_data_ptr(), kVectorBytes)) {
+    if (rows_are_vectorizable(weight, kVec) && rows_are_vectorizable(pooled_weight, kVec)) {
       launch_fold<scalar_t, kVec>(weight, bias, k, pooled_weight, pooled_bias);
     } else {
       launch_fold<scalar_t, 1>(weight, bias, k, pooled_weight, pooled_bias);
@@ -275,10 +265,8 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_of(const at::Tensor& grad_poole
   const auto dtype = grad_pooled_weight.scalar_type();
   FPG_DISPATCH_CUDA_FLOATING_TYPES(dtype, "fused_pool_gelu.fold_backward", [&] {
     constexpr int kVec = vector_width<scalar_t>();
-    // grad_weight is fresh and contiguous: its rows are aligned when its start is and
-    // in_features % kVec == 0, which rows_are_vectorizable(grad_pooled_weight) implies.
     if (rows_are_vectorizable(grad_pooled_weight, kVec) &&
-        is_aligned(grad_weight.const_data_ptr(), kVectorBytes)) {
+        rows_are_vectorizable(grad_weight, kVec)) {
       launch_fold_backward<scalar_t, kVec>(grad_pooled_weight, grad_pooled_bias, k, segment_starts,
                                            grad_weight, grad_bias);
     } else {
