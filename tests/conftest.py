@@ -9,6 +9,9 @@ fixture:
 - ``ref``: plain-PyTorch float64 formulas of the block (fold, pre-activations, values, Model).
 - ``make_inputs``: fresh random x / weight / bias for a shape, built like nn.Linear's.
 - ``check_forward``: asserts that (out, argmax, preactivation) is the block's answer.
+- ``poison_cached_memory``: fills the CUDA caching allocator's free blocks with NaN, so that a
+  kernel's workspace cannot hold an earlier call's valid values.
+- ``free_port``: a free TCP port for a process group's rendezvous.
 
 Every test starts from its own seed (derived from its node id): fresh data, reproducible.
 """
@@ -16,6 +19,7 @@ Every test starts from its own seed (derived from its node id): fresh data, repr
 from __future__ import annotations
 
 import math
+import socket
 import zlib
 from types import SimpleNamespace
 
@@ -278,3 +282,32 @@ def _capture_graph(fn):
 @pytest.fixture
 def capture_graph():
     return _capture_graph
+
+
+def _poison_cached_memory(device="cuda"):
+    """Refill the caching allocator's free memory with NaN: a call after this one gets workspace
+    that holds no earlier call's values (an identical warm-up call would have left the right ones),
+    so a partial sum a kernel failed to write shows as a NaN. The cache is emptied first, then one
+    64 MB block (the large pool: every workspace of the tests' shapes fits) and one 2 MB segment of
+    the small pool (allocations up to 1 MB) are filled and freed back to it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    blocks = [torch.full((n,), float("nan"), device=device) for n in (16 << 20, 1 << 18, 1 << 18)]
+    del blocks
+
+
+@pytest.fixture
+def poison_cached_memory():
+    return _poison_cached_memory
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """Returns a function giving a TCP port on 127.0.0.1 that no socket holds now."""
+    return _free_port

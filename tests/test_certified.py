@@ -35,17 +35,24 @@ def certified(monkeypatch):
         raise
 
 
-def _run(x, weight, bias, scale):
-    """The forward's outputs and the candidate counts; also checks that the forward with the
-    weight's prepared copy (prepare_weight, made once) gives the same bits as without it (the
-    copy made inside the call)."""
-    out, argmax, preactivation = _OPS.forward_with_argmax(x, weight, bias, scale)
-    prepared = _OPS.prepare_weight(weight)
-    for a, b in zip(_OPS.forward_with_argmax(x, weight, bias, scale, prepared),
-                    (out, argmax, preactivation)):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    counts = _OPS._certified_candidate_counts(x, weight, bias, scale)
-    return out, argmax, preactivation, counts
+@pytest.fixture
+def run_certified(certified, poison_cached_memory):
+    """run(x, weight, bias, scale) on the forced certified path: the forward's outputs and the
+    candidate counts. It also checks that the forward with the weight's prepared copy
+    (prepare_weight, made once) gives the same bits as without it (the copy made inside the call),
+    on workspace refilled with NaN in between."""
+
+    def run(x, weight, bias, scale):
+        out, argmax, preactivation = _OPS.forward_with_argmax(x, weight, bias, scale)
+        prepared = _OPS.prepare_weight(weight)
+        poison_cached_memory()
+        for a, b in zip(_OPS.forward_with_argmax(x, weight, bias, scale, prepared),
+                        (out, argmax, preactivation)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        counts = _OPS._certified_candidate_counts(x, weight, bias, scale)
+        return out, argmax, preactivation, counts
+
+    return run
 
 
 def _relative_error(ours, ref):
@@ -81,10 +88,10 @@ SHAPES = [
 @pytest.mark.parametrize("batch,in_features,pooled", SHAPES, ids=str)
 @pytest.mark.parametrize("scale", [2.0, -0.5])
 def test_certified_forward_matches_float64(
-    batch, in_features, pooled, scale, certified, make_inputs, check_forward, ref
+    batch, in_features, pooled, scale, run_certified, make_inputs, check_forward, ref
 ):
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
-    out, argmax, preactivation, counts = _run(x, weight, bias, scale)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, scale)
     check_forward(out, argmax, preactivation, x, weight, bias, scale)
     v64 = ref.values(x, weight, bias, scale).max(dim=1).values
     assert _relative_error(out, v64) <= 1e-6
@@ -114,34 +121,35 @@ def test_fused_rows_give_the_bits_of_the_two_kernel_path(
         torch.testing.assert_close(a, b[:sms], rtol=0, atol=0, equal_nan=True)
 
 
-def test_certified_forward_is_bitwise_deterministic(certified, make_inputs):
+def test_certified_forward_is_bitwise_deterministic(certified, make_inputs, poison_cached_memory):
     x, weight, bias = make_inputs(1024, 8192, 512, torch.float32, DEVICE)
     first = _OPS.forward_with_argmax(x, weight, bias, 2.0)
     for _ in range(3):
+        poison_cached_memory()
         again = _OPS.forward_with_argmax(x, weight, bias, 2.0)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
 
 
-def test_exact_ties_take_the_first_column(certified, make_inputs, check_forward):
+def test_exact_ties_take_the_first_column(run_certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(256, 1024, 64, torch.float32, DEVICE)
     # Columns 5, 17 and 40 identical and dominant: every row ties between them.
     weight[17] = weight[5]
     weight[40] = weight[5]
     bias[17] = bias[40] = bias[5] = bias.abs().max() + 10
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((argmax == 5).all())
     assert bool((counts >= 3).all() | (counts == -1).all())
 
 
-def test_near_ties_one_ulp_apart(certified, make_inputs, check_forward):
+def test_near_ties_one_ulp_apart(run_certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(256, 1024, 64, torch.float32, DEVICE)
     x = x.abs() + 0.5  # positive x: a larger weight means a larger z
     weight[9] = weight[3]
     weight[9, 100] = torch.nextafter(weight[3, 100], torch.tensor(float("inf"), device=DEVICE))
     bias[3] = bias[9] = bias.abs().max() + 10
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     # Both stay candidates: pass 1's fp16 copies cannot tell them apart, the rescoring decides.
     assert bool(((counts >= 2) | (counts == -1)).all())
@@ -150,7 +158,7 @@ def test_near_ties_one_ulp_apart(certified, make_inputs, check_forward):
 
 @pytest.mark.parametrize("lossy", ["both", "x", "weight"])
 def test_fp16_rounding_reverses_the_order_and_the_rescoring_restores_it(
-    lossy, certified, check_forward
+    lossy, run_certified, check_forward
 ):
     # v = 1 + 2^-11 - 2^-23 sits just below the midpoint between 1 and 1 + 2^-10: its fp16 copy
     # (scaled by 2^14 with its row, which scales the midpoint too) rounds down to 1 with the
@@ -176,13 +184,13 @@ def test_fp16_rounding_reverses_the_order_and_the_rescoring_restores_it(
     b1 = float(bias[1])
     assert m * p > -m * p + b1 and m * 1.0 < -m * 1.0 + b1
     assert float(torch.tensor(v).half()) == 1.0
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((argmax == 0).all())
     assert bool((counts == 2).all())
 
 
-def test_split_partials_that_cancel(certified, check_forward):
+def test_split_partials_that_cancel(run_certified, check_forward):
     # Pass 1 stores its split partials in bfloat16 (8 significant bits): here two of them are ~128
     # and cancel to z < 1, so their rounding (up to 0.5 each) dwarfs every other error. x is 1 on
     # K's first and last 64-wide tiles (0 elsewhere), the weights +2 on the first and -2 on the
@@ -209,40 +217,40 @@ def test_split_partials_that_cancel(certified, check_forward):
     # The premise: bfloat16 reverses the two columns' order.
     assert float(torch.tensor(128 + 0.4375).bfloat16()) == 128.0
     assert float(torch.tensor(128 + 0.53125).bfloat16()) == 129.0
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((argmax == column_a).all())
     assert bool(((counts >= 2) | (counts == -1)).all())
 
 
-def test_all_columns_equal_rescore_the_whole_row(certified, make_inputs, check_forward):
+def test_all_columns_equal_rescore_the_whole_row(run_certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(64, 512, 96, torch.float32, DEVICE)
     weight[:] = weight[0]
     bias[:] = bias[0]
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((counts == -1).all())  # 96 candidates > 64: every column is rescored
     assert bool((argmax == 0).all())
 
 
 @pytest.mark.parametrize("scale", [2.0, -0.5])
-def test_negative_preactivations(scale, certified, make_inputs, check_forward):
+def test_negative_preactivations(scale, run_certified, make_inputs, check_forward):
     # z from about -0.5 down to -12: around gelu's minimum (x0 = -0.75) gelu is not monotone, and
     # far below 0 it climbs back to -0 (float32 gives exactly -0.0 below ~-5.4: ties), so with
     # scale > 0 a row's largest value sits at its most negative z, with scale < 0 near x0.
     x, weight, bias = make_inputs(256, 1024, 96, torch.float32, DEVICE)
     bias = -torch.linspace(0.5, 12.0, 96, device=DEVICE)
-    out, argmax, preactivation, counts = _run(x, weight, bias, scale)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, scale)
     check_forward(out, argmax, preactivation, x, weight, bias, scale)
     assert bool(((counts >= 1) | (counts == -1)).all())
 
 
 @pytest.mark.parametrize("magnitude", [1e-30, 1e-18, 1e18, 1e25])
-def test_huge_and_tiny_magnitudes(magnitude, certified, make_inputs, check_forward):
+def test_huge_and_tiny_magnitudes(magnitude, run_certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
     x = x * magnitude
     bias = bias * magnitude * 1e-3
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     if magnitude == 1e25:
         # Above 2^77 even the largest scale, 2^-63, leaves x's rows beyond fp16's range: their
@@ -259,29 +267,31 @@ def test_huge_and_tiny_magnitudes(magnitude, certified, make_inputs, check_forwa
 
 
 @pytest.mark.parametrize("magnitude", [1e2, 1e4, 1e6])
-def test_large_preactivations_select_few_columns(magnitude, certified, make_inputs, check_forward):
+def test_large_preactivations_select_few_columns(
+    magnitude, run_certified, make_inputs, check_forward
+):
     # |z| up to ~magnitude: the interval's upper end must not grow with z. The selection bounds
     # gelu's slope by 1/2 + 2 phi(0) max(b, 0), capped at gelu's largest slope (1.129); without the
     # cap the upper end moved by ~0.8 b (b - a) and let most positive columns through.
     x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
     x = x * magnitude
     bias = bias * magnitude
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     stats = (int((counts == -1).sum()), float(counts[counts >= 0].float().mean()))
     assert bool((counts != -1).all()), stats
     assert float(counts.float().mean()) <= 4, stats
 
 
-def test_subnormal_inputs(certified, make_inputs, check_forward):
+def test_subnormal_inputs(run_certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(128, 2048, 96, torch.float32, DEVICE)
     x[:, ::2] *= 1e-40  # half of every row subnormal: below 2^-14 once scaled, zero in the copy
     weight[:, 1::3] *= 1e-41
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
 
 
-def test_zero_rows_and_rows_wider_than_fp16(certified, make_inputs, check_forward):
+def test_zero_rows_and_rows_wider_than_fp16(run_certified, make_inputs, check_forward):
     # A zero row (scale exponent 0, norms 0), and rows whose magnitudes span far more than the
     # 2^29 an fp16 copy holds below its largest element: the small part is flushed to zero in the
     # copy and left to the residual norm.
@@ -290,7 +300,7 @@ def test_zero_rows_and_rows_wider_than_fp16(certified, make_inputs, check_forwar
     weight[7] = 0
     x[9, ::7] *= 1e20
     weight[11, ::5] *= 1e-12
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
 
 
@@ -298,7 +308,7 @@ def test_zero_rows_and_rows_wider_than_fp16(certified, make_inputs, check_forwar
 # read each row's per-split norm sums through x_row_norms.
 @pytest.mark.parametrize("batch,in_features", [(96, 8192), (300, 4096)], ids=str)
 def test_rows_and_splits_of_different_magnitudes_keep_their_own_bounds(
-    batch, in_features, certified, make_inputs, check_forward
+    batch, in_features, run_certified, make_inputs, check_forward
 ):
     # Rows 2^-24 .. 2^24 apart, and within each row K's second half 2^-16, 1 or 2^16 times the
     # first (so the splits of a row carry different scale exponents): each row's bound must come
@@ -311,7 +321,7 @@ def test_rows_and_splits_of_different_magnitudes_keep_their_own_bounds(
     half_exponent = ((rows % 3) - 1) * 16
     x = x * torch.exp2(row_exponent.float())[:, None]
     x[:, in_features // 2:] *= torch.exp2(half_exponent.float())[:, None]
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     stats = (int((counts == -1).sum()), float(counts[counts >= 0].float().mean()))
     assert bool((counts != -1).all()), stats
@@ -320,18 +330,18 @@ def test_rows_and_splits_of_different_magnitudes_keep_their_own_bounds(
 
 # 83 columns: the whole-row rescoring ends with a group of 3 (groups hold exactly the columns left).
 @pytest.mark.parametrize("pooled", [80, 83])
-def test_rows_with_inf_or_nan(pooled, certified, make_inputs, check_forward):
+def test_rows_with_inf_or_nan(pooled, run_certified, make_inputs, check_forward):
     x, weight, bias = make_inputs(96, 1024, pooled, torch.float32, DEVICE)
     x[3, 7] = float("inf")
     x[10, 0] = float("nan")
     x[11, 5] = -float("inf")
     weight[20, 9] = float("nan")  # every row meets a NaN z in column 20
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((counts == -1).all())
 
 
-def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check_forward):
+def test_rows_of_every_candidate_count_interleaved(run_certified, make_inputs, check_forward):
     # The rescoring takes the rows in the selection's order (rows with 2+ candidates and whole
     # rows first: kRescoreHeavyCandidates in forward_certified.cuh), not in row order: rows with
     # one, several and every column as candidates, interleaved at random, each get their own
@@ -351,7 +361,7 @@ def test_rows_of_every_candidate_count_interleaved(certified, make_inputs, check
     whole = kind == 1
     x[:, 0] = torch.where(tied, 50.0, 0.0)
     x[whole, 3] = float("nan")
-    out, argmax, preactivation, counts = _run(x, weight, bias, 2.0)
+    out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert bool((argmax[tied] == 7).all())
     assert bool((counts[tied] >= 3).all())

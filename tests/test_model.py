@@ -7,7 +7,6 @@ import copy
 import io
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -527,17 +526,11 @@ def test_torch_save_and_load_of_the_whole_module():
 # DistributedDataParallel (gloo, 2 CPU processes)
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_ddp_gradients_equal_single_process_gradients(tmp_path):
+def test_ddp_gradients_equal_single_process_gradients(tmp_path, free_port):
     args, batch = (48, 40, 4, 2.0), 16
     worker = Path(__file__).with_name("_ddp_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, str(worker), str(tmp_path), str(_free_port())]
+    command = [sys.executable, str(worker), str(tmp_path), str(free_port())]
     command += [str(a) for a in args] + [str(batch)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr

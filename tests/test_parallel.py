@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import operator
 import runpy
-import socket
 import traceback
 from datetime import timedelta
 
@@ -316,12 +315,6 @@ def _worker(rank, world_size, port, backend, result_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class _Records:
     def __init__(self, world_size, result_dir):
         self.world_size = world_size
@@ -341,11 +334,11 @@ class _Records:
         assert not failures, f"{name} at {self.world_size} ranks:\n" + "\n".join(failures)
 
 
-def _spawn(world_size, backend, tmp_path_factory):
+def _spawn(world_size, backend, tmp_path_factory, port):
     result_dir = tmp_path_factory.mktemp(f"{backend}{world_size}")
     mp.spawn(
         _FromThisFile("_worker"),
-        args=(world_size, _free_port(), backend, str(result_dir)),
+        args=(world_size, port, backend, str(result_dir)),
         nprocs=world_size,
         join=True,
     )
@@ -353,9 +346,9 @@ def _spawn(world_size, backend, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
-def gloo_run(request, tmp_path_factory):
+def gloo_run(request, tmp_path_factory, free_port):
     """Every scenario, run once on the CPU with gloo at this many ranks (float64)."""
-    return _spawn(request.param, "gloo", tmp_path_factory)
+    return _spawn(request.param, "gloo", tmp_path_factory, free_port())
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -364,10 +357,10 @@ def test_gloo_sharded_matches_unsharded(gloo_run, name):
 
 
 @pytest.mark.cuda
-def test_nccl_sharded_matches_unsharded(tmp_path_factory):
+def test_nccl_sharded_matches_unsharded(tmp_path_factory, free_port):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs for NCCL, got {torch.cuda.device_count()}")
-    records = _spawn(2, "nccl", tmp_path_factory)
+    records = _spawn(2, "nccl", tmp_path_factory, free_port())
     for name in SCENARIOS:
         records.check(name)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -475,14 +474,8 @@ def test_reduce_overhead_compiled_training_steps_equal_eager_steps():
 # The 2-process gloo version is test_model.py::test_ddp_gradients_equal_single_process_gradients.
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
-def nccl_world_of_one():
+def nccl_world_of_one(free_port):
     if not dist.is_available() or not dist.is_nccl_available():
         pytest.skip("torch.distributed was built without NCCL")
     if dist.is_initialized():
@@ -490,7 +483,7 @@ def nccl_world_of_one():
     torch.cuda.set_device(0)
     dist.init_process_group(
         "nccl",
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=60),
