@@ -96,6 +96,17 @@ def _assert_contract(out, model, x):
     torch.testing.assert_close(out, ref32, atol=1e-4, rtol=1e-4)
 
 
+def test_poison_cached_memory_hands_out_nan_blocks(make_inputs, poison_cached_memory):
+    # The fixture the workspace checks below rely on: after a call has left its workspace in the
+    # allocator's cache, every new block of the sizes the ops ask for (a few floats to 16 MB) holds
+    # NaN, not that call's values.
+    x, weight, bias = make_inputs(1024, 2048, 512, torch.float32, DEVICE)
+    ops.forward_with_argmax(x, weight, bias, 2.0)
+    poison_cached_memory()
+    blocks = [torch.empty(n, device=DEVICE) for n in (3, 1000, 1 << 18, 1 << 20, 4 << 20)]
+    assert all(bool(block.isnan().all()) for block in blocks)
+
+
 # ----------------------------------------------------------------------------------------------
 # Accuracy contract
 
