@@ -285,14 +285,33 @@ def capture_graph():
 
 
 def _poison_cached_memory(device="cuda"):
-    """Refill the caching allocator's free memory with NaN: a call after this one gets workspace
-    that holds no earlier call's values (an identical warm-up call would have left the right ones),
-    so a partial sum a kernel failed to write shows as a NaN. The cache is emptied first, then one
-    64 MB block (the large pool: every workspace of the tests' shapes fits) and one 2 MB segment of
-    the small pool (allocations up to 1 MB) are filled and freed back to it."""
+    """Fill every free block of the CUDA caching allocator with NaN: a call after this one gets
+    workspace that holds no earlier call's values (an identical warm-up call would have left the
+    right ones), so a value a kernel failed to write shows as a NaN.
+
+    Whole free segments go back to the driver first. What stays cached are the free parts of
+    segments that also hold live tensors: a request of a free block's exact size gets that block or
+    another of the same size (the allocator takes the smallest cached block that fits), so asking
+    for them largest first fills each one. Then a 64 MB block (the large pool: every workspace of
+    the tests' shapes fits) and a small-pool segment (allocations up to 1 MB) are made and filled,
+    for requests that no cached block fits, which would otherwise get fresh memory from the driver:
+    possibly the pages just released, with their old contents."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    blocks = [torch.full((n,), float("nan"), device=device) for n in (16 << 20, 1 << 18, 1 << 18)]
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    free_sizes = sorted(
+        (
+            block["size"]
+            for segment in torch.cuda.memory_snapshot()
+            if segment["device"] == index
+            for block in segment["blocks"]
+            if block["state"] == "inactive"
+        ),
+        reverse=True,
+    )
+    sizes = free_sizes + [64 << 20, 1 << 20, 1 << 20]
+    blocks = [torch.full((size // 4,), float("nan"), device=device) for size in sizes]
     del blocks
 
 
