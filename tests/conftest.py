@@ -9,8 +9,9 @@ fixture:
 - ``ref``: plain-PyTorch float64 formulas of the block (fold, pre-activations, values, Model).
 - ``make_inputs``: fresh random x / weight / bias for a shape, built like nn.Linear's.
 - ``check_forward``: asserts that (out, argmax, preactivation) is the block's answer.
-- ``poison_cached_memory``: fills the CUDA caching allocator's free blocks with NaN, so that a
-  kernel's workspace cannot hold an earlier call's valid values.
+- ``deterministic_algorithms``: deterministic mode, in which every fresh allocation (the ops'
+  workspace included) is filled with NaN: a value a kernel never writes shows, even where an
+  identical earlier call left the right one in the allocator's cache.
 - ``free_port``: a free TCP port for a process group's rendezvous.
 
 Every test starts from its own seed (derived from its node id): fresh data, reproducible.
@@ -282,42 +283,6 @@ def _capture_graph(fn):
 @pytest.fixture
 def capture_graph():
     return _capture_graph
-
-
-def _poison_cached_memory(device="cuda"):
-    """Fill every free block of the CUDA caching allocator with NaN: a call after this one gets
-    workspace that holds no earlier call's values (an identical warm-up call would have left the
-    right ones), so a value a kernel failed to write shows as a NaN.
-
-    Whole free segments go back to the driver first. What stays cached are the free parts of
-    segments that also hold live tensors: a request of a free block's exact size gets that block or
-    another of the same size (the allocator takes the smallest cached block that fits), so asking
-    for them largest first fills each one. Then a 64 MB block (the large pool: every workspace of
-    the tests' shapes fits) and a small-pool segment (allocations up to 1 MB) are made and filled,
-    for requests that no cached block fits, which would otherwise get fresh memory from the driver:
-    possibly the pages just released, with their old contents."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    free_sizes = sorted(
-        (
-            block["size"]
-            for segment in torch.cuda.memory_snapshot()
-            if segment["device"] == index
-            for block in segment["blocks"]
-            if block["state"] == "inactive"
-        ),
-        reverse=True,
-    )
-    sizes = free_sizes + [64 << 20, 1 << 20, 1 << 20]
-    blocks = [torch.full((size // 4,), float("nan"), device=device) for size in sizes]
-    del blocks
-
-
-@pytest.fixture
-def poison_cached_memory():
-    return _poison_cached_memory
 
 
 def _free_port():
