@@ -750,6 +750,21 @@ def test_default_shape_forward_is_bitwise_deterministic(deterministic_algorithms
             assert torch.equal(new(x), first)
 
 
+@pytest.mark.profiler
+def test_deterministic_mode_fills_the_forward_workspace(make_inputs, deterministic_algorithms):
+    # What the tests taking deterministic_algorithms for a NaN-filled workspace rely on: every
+    # at::empty of the op is filled before its kernels run, the split-K workspace as well as the
+    # three outputs (B = 64 at K = 4096, N = 512: the 3xTF32 GEMM and its epilogue).
+    x, weight, bias = make_inputs(64, 4096, 512, torch.float32, DEVICE)
+    ops.forward_with_argmax(x, weight, bias, 2.0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.forward_with_argmax(x, weight, bias, 2.0)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    fills = [n for n in names if "fill" in n.lower()]
+    assert len(fills) >= 4, names
+
+
 # ----------------------------------------------------------------------------------------------
 # Devices
 
