@@ -1,6 +1,7 @@
 # The two commands of the README, each setting itself up on a fresh machine:
 #   make run    venv + torch, build and install the wheel, run `python -m fused_pool_gelu`
-#   make test   venv + torch, build the wheel, install it, run pytest against the INSTALLED package
+#   make test   venv + torch, build the sdist, the wheel from it, install it, run pytest against the
+#               INSTALLED package
 # Knobs: PYTHON, VENV, TORCH_SPEC, CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS (see setup.py),
 # PYTEST_ARGS (added to make test's pytest command).
 
@@ -15,7 +16,9 @@ MAX_JOBS ?= 2
 PYTEST_ARGS ?=
 
 BIN := $(abspath $(VENV))/bin
-STAMP := $(VENV)/.deps-$(subst =,-,$(TORCH_SPEC))
+# Named after the torch spec and the list below (v2: `build` added), so that a venv made for another
+# spec or an older list is brought up to date.
+STAMP := $(VENV)/.deps-v2-$(subst =,-,$(TORCH_SPEC))
 export CUDA_HOME MAX_JOBS
 
 .PHONY: run test wheel install clean
@@ -23,12 +26,15 @@ export CUDA_HOME MAX_JOBS
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=23" "setuptools>=77" wheel
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy ninja pytest hypothesis expecttest
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy ninja pytest hypothesis expecttest build
 	touch $@
 
+# The wheel is built from the source distribution, as `pip install <sdist>` would build it: a file the
+# sdist lacks (MANIFEST.in) fails here, not on a user's machine.
 wheel: $(STAMP)
 	rm -rf dist
-	$(BIN)/python -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	$(BIN)/python -m build --sdist --no-isolation --outdir dist .
+	$(BIN)/python -m pip wheel -q --no-build-isolation --no-deps -w dist dist/fused_pool_gelu-*.tar.gz
 
 install: wheel
 	$(BIN)/python -m pip install -q --force-reinstall --no-deps dist/fused_pool_gelu-*.whl

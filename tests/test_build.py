@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,29 @@ def test_import_without_the_compiled_extension_fails_with_build_instructions(tmp
     assert "pip install --no-build-isolation ." in result.stderr, result.stderr
     # And it comes from the copy, not from the installed package.
     assert str(copy) in result.stderr, result.stderr
+
+
+def test_the_source_distribution_holds_every_source_file(tmp_path):
+    # setuptools puts the compiled sources in an sdist but not the headers they include: without
+    # MANIFEST.in, `pip install <sdist>` fails to compile. (make test also builds its wheel from the
+    # sdist.)
+    if not (REPO_ROOT / "setup.py").exists():
+        pytest.skip("needs the source tree beside the tests")
+    pytest.importorskip("build", reason="needs the `build` package (make test installs it)")
+    # From a copy without build products: setuptools also packs whatever an earlier build's
+    # *.egg-info/SOURCES.txt lists, which would hide a file missing from MANIFEST.in.
+    source = tmp_path / "source"
+    shutil.copytree(REPO_ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "variants", "__pycache__"))
+    command = [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir",
+               str(tmp_path), str(source)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (sdist,) = tmp_path.glob("fused_pool_gelu-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        members = {Path(name).relative_to(Path(name).parts[0]).as_posix()
+                   for name in archive.getnames() if len(Path(name).parts) > 1}
+    sources = {path.relative_to(REPO_ROOT).as_posix()
+               for path in (REPO_ROOT / "csrc").rglob("*") if path.is_file()}
+    expected = sources | {"LICENSE", "README.md", "setup.py", "pyproject.toml"}
+    assert not expected - members, sorted(expected - members)
