@@ -7,14 +7,17 @@ One process times every implementation ("impl") on the same weights and inputs:
   * CPU: median of repeated ``time.perf_counter`` runs (for testing the scripts only).
 
 Every impl is checked against a float64 run of the reference Model with the same weights
-(``rel_err_fp64 = ||out - ref64|| / ||ref64||``, ``max_abs_err``) and against the float32 Model
-(``allclose_ref`` with atol = rtol = 1e-4 in float32).
+(``rel_err_fp64 = ||out - ref64|| / ||ref64||``, ``max_abs_err``; in training also each gradient's
+``grad_rel_err_fp64``) and against the float32 Model (``allclose_ref`` with atol = rtol = 1e-4 in
+float32): ``is_accurate`` says which rows count (ours unmarked, a peer eligible as the best one).
+A speedup compares ours with the peers of the same run only.
 
 Results are merged into ``benchmarks/results/<gpu>.json``:
     {"device", "date", "torch", "rows": [row, ...], "runs": {run_id: metadata}}
 a row: {"impl", "mode", "B", "median_us", "rel_err_fp64", "max_abs_err", "peak_mem_mb" (train),
         ... plus K, O, k, scale, dtype, date, run_id, error}.
-A new row replaces an old one with the same impl, mode, B and shape (K, O, k, scale, dtype).
+A new row replaces an old one with the same impl, mode, B and shape (K, O, k, scale, dtype); a
+pair a run skipped (past its deadline) is written as such, so that no older run's row stands in.
 """
 
 from __future__ import annotations
@@ -48,17 +51,23 @@ COMPILED = ("ref_compile", "fold_compile")
 MODES = ("forward", "train")
 
 DEFAULT_BATCHES = [1, 16, 128, 1024, 4096]
-DEFAULT_SHAPE = dict(K=8192, O=8192, k=16, scale=2.0, dtype="float32")
+DEFAULT_SHAPE = dict(K=8192, O=8192, k=16, scale=2.0, dtype="float32", x="rand")
+# x's distribution (benchmark_x): torch.rand, KernelBench's inputs, or torch.randn. It moves the
+# rows' arg-maxes (rand crowds them onto few columns), which ours' backward sees.
+X_DISTRIBUTIONS = ("rand", "randn")
 
-# A peer counts as "float32-accurate" (eligible as the best peer in the speedup column) when its
-# relative error against float64 is at most this. Float32 cuBLAS/compile peers measure ~3e-7 at
-# the default shape; single-pass TF32 measures ~1e-4 (BASELINE.md). Applies to float32 runs only.
+# A float32 row counts as "float32-accurate" (is_accurate) when its relative error against float64,
+# and in training each gradient's, is at most this. Float32 cuBLAS/compile peers measure ~3e-7 at
+# the default shape (gradients ~1e-7); single-pass TF32 measures ~1e-4 (BASELINE.md).
 ACCURATE_REL_ERR = 1e-5
 
 # The contract's tolerance against the reference run in the same dtype.
 ALLCLOSE_TOL = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+# The error field of a row a run did not measure (past its --deadline-s).
+SKIPPED = "skipped"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,7 +96,10 @@ def finite_or_none(value):
 
 
 def config_key(row: dict) -> tuple:
-    return (row.get("K"), row.get("O"), row.get("k"), row.get("scale"), row.get("dtype"))
+    """The shape of a row's run: K, O, k, scale, dtype and x's distribution (rows from before the
+    field existed are x ~ rand)."""
+    return (row.get("K"), row.get("O"), row.get("k"), row.get("scale"), row.get("dtype"),
+            row.get("x", "rand"))
 
 
 def row_key(row: dict) -> tuple:
@@ -99,13 +111,20 @@ def impl_sort_key(name: str):
 
 
 def is_accurate(row: dict, threshold: float = ACCURATE_REL_ERR) -> bool:
-    """Float32-accurate: measured, and rel err vs float64 <= threshold (any error for non-fp32)."""
-    if row.get("median_us") is None:
+    """The row counts (ours unmarked, a peer eligible as the best one): measured; every output
+    element close to the reference Model's in the same dtype (allclose_ref, ALLCLOSE_TOL: a single
+    wrong row, which a batch-wide norm dilutes, fails it); and in float32 the output's relative
+    error against float64 at most `threshold`, and in training each gradient's (weight, bias, x:
+    a step that leaves one out fails)."""
+    if row.get("median_us") is None or row.get("allclose_ref") is not True:
         return False
     if row.get("dtype", "float32") != "float32":
         return True
-    err = row.get("rel_err_fp64")
-    return err is not None and err <= threshold
+    errors = [row.get("rel_err_fp64")]
+    if row.get("mode") == "train":
+        grads = row.get("grad_rel_err_fp64") or {}
+        errors += [grads.get(name) for name in ("weight", "bias", "x")]
+    return all(err is not None and err <= threshold for err in errors)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,7 +135,7 @@ def is_accurate(row: dict, threshold: float = ACCURATE_REL_ERR) -> bool:
 ROW_FIELDS = [
     "impl", "mode", "B", "median_us", "rel_err_fp64", "max_abs_err", "peak_mem_mb",
     "peak_mem_total_mb", "allclose_ref", "grad_rel_err_fp64", "first_call_s",
-    "K", "O", "k", "scale", "dtype", "date", "run_id", "error",
+    "K", "O", "k", "scale", "dtype", "x", "date", "run_id", "error",
 ]
 
 
@@ -214,10 +233,16 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
     peers = [i for i in impls if i in PEERS]
     out = []
 
+    def best_peer(b, run_id):
+        """The fastest accurate peer at B measured in run `run_id`, or None."""
+        cands = [index[(p, b)] for p in peers if (p, b) in index]
+        cands = [r for r in cands if r.get("run_id") == run_id and is_accurate(r, threshold)]
+        return min(cands, key=lambda r: r["median_us"]) if cands else None
+
     # --- time
     header = ["B"] + [f"{i} (us)" for i in impls]
     if ours and peers:
-        header += ["best fp32 peer (us)"] + [f"{i} speedup" for i in ours]
+        header += ["best fp32 peer of the run (us)"] + [f"{i} speedup" for i in ours]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "---|" * len(header))
     any_inexact = False
@@ -228,22 +253,20 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
             if r is None:
                 cells.append("-")
             elif r.get("median_us") is None:
-                cells.append("error" if r.get("error") else "-")
+                error = r.get("error") or ""
+                cells.append("skipped" if error.startswith(SKIPPED) else "error" if error else "-")
             else:
                 mark = ""
                 if not is_accurate(r, threshold):
                     mark, any_inexact = "*", True
                 cells.append(_fmt_us(r["median_us"]) + mark)
         if ours and peers:
-            cands = [
-                index[(p, b)]
-                for p in peers
-                if (p, b) in index and is_accurate(index[(p, b)], threshold)
-            ]
-            best = min(cands, key=lambda r: r["median_us"]) if cands else None
-            cells.append(f"{_fmt_us(best['median_us'])} ({best['impl']})" if best else "-")
+            ours_rows = [index[(i, b)] for i in ours if (i, b) in index]
+            shown = best_peer(b, ours_rows[0].get("run_id")) if ours_rows else None
+            cells.append(f"{_fmt_us(shown['median_us'])} ({shown['impl']})" if shown else "-")
             for impl in ours:
                 r = index.get((impl, b))
+                best = None if r is None else best_peer(b, r.get("run_id"))
                 if best is None or r is None or r.get("median_us") is None:
                     cells.append("-")
                 else:
@@ -253,8 +276,16 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
     if any_inexact:
         out.append("")
         out.append(
-            f"\\* relative error vs float64 above {threshold:g} (not float32-accurate): "
-            "excluded from the best peer."
+            f"\\* not accurate (is_accurate: relative error vs float64 above {threshold:g}, an "
+            "element outside allclose of the reference Model, or in training a gradient missing "
+            f"or above {threshold:g}): excluded from the best peer."
+        )
+    run_ids = sorted({r.get("run_id") for r in rows if r.get("run_id")})
+    if len(run_ids) > 1:
+        out.append("")
+        out.append(
+            f"Rows from {len(run_ids)} runs ({', '.join(run_ids)}): a speedup compares ours with "
+            "the peers of its own run, '-' where that run timed none."
         )
 
     # --- accuracy
@@ -292,7 +323,7 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
 def shape_text(row: dict) -> str:
     return (
         f"K = {row.get('K')}, O = {row.get('O')}, k = {row.get('k')}, s = {row.get('scale')}, "
-        f"{row.get('dtype')}"
+        f"{row.get('dtype')}, x ~ {row.get('x', 'rand')}"
     )
 
 
@@ -319,9 +350,13 @@ def default_results_path(device) -> Path:
 
 
 def git_revision() -> Optional[str]:
-    """The checkout's commit (+dirty); outside a git checkout (a copy of the tree on the GPU
-    machine) the commit named by FUSED_POOL_GELU_GIT_REVISION, if set."""
-    fallback = os.environ.get("FUSED_POOL_GELU_GIT_REVISION") or None
+    """The commit named by FUSED_POOL_GELU_GIT_REVISION when set (the GPU machine's copy of the
+    tree carries stale git metadata, so the caller names the commit it copied); else the
+    checkout's commit (+dirty), or None outside a git checkout."""
+    override = os.environ.get("FUSED_POOL_GELU_GIT_REVISION")
+    if override:
+        return override
+    fallback = None
     try:
         rev = subprocess.run(
             ["git", "-C", str(BENCH_DIR), "rev-parse", "--short", "HEAD"],
@@ -357,7 +392,9 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
                         warmup: int = 5) -> Dict[str, Dict[str, float]]:
     """Per CUDA kernel that fn launches, its mean device time per call ("device_us") and the part
     of it after the kernel before it ended ("own_us"), over `calls` calls with L2 flushed before
-    each one as do_bench does (torch.profiler; the flush's own fill kernel is left out).
+    each one as do_bench does (torch.profiler; the flush's own kernel is left out: found by its
+    name in a profile of the flush alone, and counted, so that fn's kernels of the same name, if
+    any, make this raise instead of vanishing).
 
     On sm_90+ the forward's later kernels are programmatic dependent launches: they start while
     the kernel before them runs and wait for it, so their device time holds that wait; their own
@@ -367,6 +404,14 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
     from fused_pool_gelu.timing import l2_flush_buffer
 
     flush = l2_flush_buffer()
+
+    def cuda_events(prof):
+        return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        flush.zero_()
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in cuda_events(prof)}
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -375,17 +420,20 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
             flush.zero_()
             fn()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                     and e.time_range.end > e.time_range.start),
+    events = sorted((e for e in cuda_events(prof) if e.time_range.end > e.time_range.start),
                     key=lambda e: e.time_range.start)
+    flushes = sum(e.name in flush_names for e in events)
+    if flushes != calls:
+        raise RuntimeError(f"kernel_device_times: {flushes} launches of the flush's kernel "
+                           f"({sorted(flush_names)}) for {calls} calls: fn launches it too")
     kernels: Dict[str, Dict[str, float]] = {}
     previous_end = float("-inf")
     for event in events:
         start, end = event.time_range.start, event.time_range.end
         own = end - max(start, previous_end)
         previous_end = max(previous_end, end)
-        if "fill" in event.name.lower() or "zero" in event.name.lower():
-            continue  # the flush
+        if event.name in flush_names:
+            continue
         times = kernels.setdefault(event.name, {"device_us": 0.0, "own_us": 0.0})
         times["device_us"] += (end - start) / calls
         times["own_us"] += max(own, 0.0) / calls
@@ -417,14 +465,19 @@ def folded_weights(in_features: int, out_features: int, pool: int):
     return fused_pool_gelu.fold(model.matmul.weight.cuda(), model.matmul.bias.cuda(), pool)
 
 
-def benchmark_x(batch: int, in_features: int, device, seed: int = 0):
-    """The benchmarks' x for batch B: torch.rand(B, K) in float32 on `device`, from that device's
-    generator seeded with seed + B (so every batch has its own data, the same in every script)."""
+def benchmark_x(batch: int, in_features: int, device, seed: int = 0, distribution: str = "rand"):
+    """The benchmarks' x for batch B: torch.rand(B, K) (or torch.randn: X_DISTRIBUTIONS) in
+    float32 on `device`, from that device's generator seeded with seed + B (so every batch has its
+    own data, the same in every script)."""
     import torch
 
+    if distribution not in X_DISTRIBUTIONS:
+        raise ValueError(f"benchmark_x: distribution must be one of {X_DISTRIBUTIONS}, "
+                         f"got {distribution!r}")
     gen = torch.Generator(device=device)
     gen.manual_seed(seed + batch)
-    return torch.rand(batch, in_features, device=device, generator=gen, dtype=torch.float32)
+    draw = torch.rand if distribution == "rand" else torch.randn
+    return draw(batch, in_features, device=device, generator=gen, dtype=torch.float32)
 
 
 def write_profile(path: Optional[str], rows: List[dict]) -> None:
@@ -472,6 +525,8 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     p.add_argument("--pool", "-k", type=int, default=DEFAULT_SHAPE["k"], help="pool kernel size")
     p.add_argument("--scale", type=float, default=DEFAULT_SHAPE["scale"])
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_SHAPE["dtype"])
+    p.add_argument("--x-distribution", choices=X_DISTRIBUTIONS, default=DEFAULT_SHAPE["x"],
+                   help="x ~ torch.rand (KernelBench's inputs) or torch.randn")
     p.add_argument("--impls", nargs="+", choices=impl_choices, default=impl_choices,
                    help="subset of impls to run")
     p.add_argument("--skip-compile", action="store_true",
@@ -486,7 +541,7 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     p.add_argument("--rep", type=float, default=500.0,
                    help="timed repetition time per measurement (ms)")
     p.add_argument("--seed", type=int, default=0,
-                   help="weights: torch.manual_seed(seed); x for batch B: torch.rand with seed + B")
+                   help="weights: torch.manual_seed(seed); x for batch B: seed + B")
     p.add_argument("--deadline-s", type=float, default=default_deadline_s,
                    help="skip (impl, B) pairs not started this many seconds after start; "
                         "results so far are saved (0: no deadline)")
@@ -537,8 +592,9 @@ class Context:
             self.compile_kwargs["mode"] = args.compile_mode
 
     def make_x(self, batch: int):
-        """x ~ torch.rand(B, K), seeded per B (on the device's generator), in the run's dtype."""
-        return benchmark_x(batch, self.K, self.device, self.args.seed).to(self.dtype)
+        """x [B, K] from benchmark_x (the run's distribution), in the run's dtype."""
+        return benchmark_x(batch, self.K, self.device, self.args.seed,
+                           self.args.x_distribution).to(self.dtype)
 
     def mark_batch_dynamic(self, x):
         if self.args.compile_dynamic and x.shape[0] > 1:
@@ -597,8 +653,8 @@ def run_benchmark(
     builders[impl](ctx) -> impl object (built once per impl, reused across B; freed after).
     make_reference(ctx, x) -> dict of references for one B (float64 run, float32 Model run).
     measure(ctx, impl_obj, x, ref, time_us) -> dict of row fields (median_us, errors, ...).
-    Returns 0: a failing impl is reported in its rows and in the output, and the run goes on
-    (so that `bench_forward.py; bench_train.py; plot.py` chains never stop half-way).
+    A failing impl is reported in its rows and in the output, and the run goes on. Returns 1 when
+    a row of ours failed or is not accurate (is_accurate), else 0: a peer's failure is the peer's.
     """
     import torch
 
@@ -610,9 +666,11 @@ def run_benchmark(
     dev_name = device_name(device)
     log(f"fused_pool_gelu {info.get('version')} on {dev_name}; torch {torch.__version__}; "
         f"CUDA kernels compiled in: {info.get('cuda_kernels')}", start)
+    matmul_precision = torch.get_float32_matmul_precision()
     if device.type == "cuda":
-        log(f"float32 matmul precision: {torch.get_float32_matmul_precision()} "
-            "(\"highest\": no TF32 in the peers' cuBLAS calls)", start)
+        log(f"float32 matmul precision: {matmul_precision}"
+            + (" (no TF32 in the peers' cuBLAS calls)" if matmul_precision == "highest" else
+               " (TF32 allowed: float32 peers may fail the accuracy check)"), start)
     from fused_pool_gelu.timing import make_timer
 
     time_us, timer_desc = make_timer(device, args.warmup, args.rep)
@@ -622,7 +680,7 @@ def run_benchmark(
     out_path = None if args.no_save else (args.out or default_results_path(device))
     run_id = now_iso()
     shape = {"K": args.in_features, "O": args.out_features, "k": args.pool,
-             "scale": args.scale, "dtype": args.dtype}
+             "scale": args.scale, "dtype": args.dtype, "x": args.x_distribution}
     header = {"device": dev_name, "date": run_id, "torch": torch.__version__}
     run_meta = {
         "run_id": run_id,
@@ -635,7 +693,10 @@ def run_benchmark(
         "batches": args.batches,
         "impls": args.impls,
         "compile": {"dynamic": not not args.compile_dynamic, "mode": args.compile_mode},
+        "device": dev_name,
+        "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
+        "float32_matmul_precision": matmul_precision,
         "python": platform.python_version(),
         "fused_pool_gelu": info,
         "git": git_revision(),
@@ -687,8 +748,11 @@ def run_benchmark(
             continue
         for b in args.batches:
             if args.deadline_s and time.perf_counter() - start > args.deadline_s:
-                log(f"{impl} B={b}: skipped (past --deadline-s {args.deadline_s:g}; not saved)",
-                    start)
+                reason = f"{SKIPPED} (past --deadline-s {args.deadline_s:g})"
+                log(f"{impl} B={b}: {reason}", start)
+                rows.append(dict(impl=impl, mode=mode, B=b, median_us=None, **shape,
+                                 date=run_id, run_id=run_id, error=reason))
+                save()
                 continue
             x, ref = cases[b]
             row = dict(impl=impl, mode=mode, B=b, **shape, date=run_id, run_id=run_id)
@@ -721,8 +785,13 @@ def run_benchmark(
     if failures:
         log(f"WARNING: {failures} impl/batch measurement(s) failed; see the error rows above",
             start)
+    ours_bad = [f"{r['impl']} B={r['B']}" for r in rows
+                if r["impl"] in OURS and not (r.get("error") or "").startswith(SKIPPED)
+                and not is_accurate(r)]
+    if ours_bad:
+        log(f"ERROR: ours failed or is not accurate at {', '.join(ours_bad)}", start)
     log("done", start)
-    return 0
+    return 1 if ours_bad else 0
 
 
 def _progress(impl: str, b: int, row: dict) -> str:

@@ -27,6 +27,7 @@ STYLE = {
     "ref_compile": dict(color="tab:brown", ls="--", marker="s"),
     "fold_eager": dict(color="tab:blue", ls="--", marker="o"),
     "fold_compile": dict(color="tab:purple", ls="--", marker="s"),
+    "fold_tail": dict(color="tab:green", ls="--", marker="v"),
     "ours_op": dict(color="tab:red", ls="-", marker="D", lw=2.2),
     "ours_model": dict(color="tab:orange", ls="-", marker="^", lw=2.2),
 }
@@ -36,7 +37,7 @@ def group_by_config(rows):
     groups = defaultdict(list)
     for r in rows:
         groups[common.config_key(r)].append(r)
-    default = tuple(common.DEFAULT_SHAPE[k] for k in ("K", "O", "k", "scale", "dtype"))
+    default = tuple(common.DEFAULT_SHAPE[k] for k in ("K", "O", "k", "scale", "dtype", "x"))
     # The default shape first, then by number of rows.
     return sorted(groups.items(), key=lambda kv: (kv[0] != default, -len(kv[1]), str(kv[0])))
 
@@ -54,7 +55,9 @@ def markdown(data: dict, source: str) -> str:
     lines.append(
         "Median time in microseconds; speedup = best float32-accurate peer / ours, peers measured "
         f"in the same run ({peers}; float32-accurate: ||out - ref64|| / ||ref64|| <= "
-        f"{common.ACCURATE_REL_ERR:g}). x ~ rand, nn.Linear default init."
+        f"{common.ACCURATE_REL_ERR:g}, every element allclose to the float32 Model's (atol = rtol "
+        f"= {common.ALLCLOSE_TOL['float32']:g}) and, in training, each gradient's relative error "
+        f"<= {common.ACCURATE_REL_ERR:g}). nn.Linear default init."
     )
     for config, config_rows in group_by_config(rows):
         lines.append("")
@@ -103,7 +106,6 @@ def plot(data: dict, png: Path) -> None:
             ax.set_xticks(batches)
             ax.set_xticklabels([str(b) for b in batches])
             ax.minorticks_off()
-            ax.set_xticks(batches)
         ax.set_xlabel("batch size B")
         ax.set_ylabel("median time (us)")
         ax.set_title(SHORT_TITLES[mode])
@@ -134,6 +136,10 @@ def main(argv=None) -> int:
         return 1
     for path in paths:
         data = common.load_results(path)
+        if not all("mode" in row for row in data.get("rows", [])):
+            # floors.py's file (results/<gpu>-floors.json) has rows of its own kind.
+            print(f"{path.name}: not a bench_forward.py / bench_train.py results file, skipped")
+            continue
         out_dir = args.out_dir or path.parent
         md = markdown(data, path.name)
         md_path = out_dir / f"{path.stem}.md"

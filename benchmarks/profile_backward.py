@@ -4,7 +4,8 @@
     python benchmarks/profile_backward.py --batches 1024 --out /tmp/profile_backward.json
 
 Calls ops.forward_backward (grad_out = ones, as out.sum().backward() gives) on the benchmarks'
-folded weights (common.folded_weights: Model(8192, 8192, 16, 2.0)) and x ~ U(0, 1), with three
+folded weights (common.folded_weights: Model(8192, 8192, 16, 2.0)) and x (common.benchmark_x:
+the benchmarks' x ~ U(0, 1) for that batch), with three
 arg-max vectors: "model" (the forward's own: on this data a few tens of distinct arg-maxes, one of
 them taken by ~45% of the rows), "uniform" (random over the N pooled rows: many short segments)
 and "one" (every row the same arg-max: one segment, the longest chain). The segment reduction's
@@ -34,7 +35,7 @@ def main():
     pooled = pooled_weight.shape[0]
     rows = []
     for batch in args.batches:
-        x = torch.rand(batch, args.K, device="cuda")
+        x = common.benchmark_x(batch, args.K, "cuda")
         _, model_argmax, preactivation = ops.forward_with_argmax(x, pooled_weight, pooled_bias, 2.0)
         argmaxes = {
             "model": model_argmax,

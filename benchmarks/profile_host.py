@@ -27,6 +27,7 @@ import time
 
 import torch
 
+import common
 import fused_pool_gelu
 
 _OPS = torch.ops.fused_pool_gelu
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     reference = fused_pool_gelu.Model(8192, 8192, 16, 2.0)
     model = fused_pool_gelu.ModelNew.from_model(reference).cuda()
     weight, bias = model.matmul.weight, model.matmul.bias
-    x = torch.rand(1024, 8192, device="cuda")
+    x = common.benchmark_x(1024, 8192, "cuda")
     with torch.no_grad():
         pooled_weight, pooled_bias = _OPS.fold(weight, bias, 16)
         out, argmax, preactivation = _OPS.forward_with_argmax(x, pooled_weight, pooled_bias, 2.0)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
             for name, fn in ops.items():
                 print(f"  {name:22s} {host_us(fn, args.calls, args.sync_every)}")
         for batch in args.batches:
-            xb = torch.rand(batch, 8192, device="cuda").requires_grad_(True)
+            xb = common.benchmark_x(batch, 8192, "cuda").requires_grad_(True)
             parts = step_parts(model, xb, args.calls, args.sync_every)
             print(f"  step parts, B = {batch}: {parts}")
     return 0

@@ -11,9 +11,8 @@ times, the step's median (fused_pool_gelu.timing, as bench_train.py) and the med
 step replayed as a CUDA graph (the step's GPU work without its host time; captured, ModelNew takes
 its eager training path since commit 93ec369, before which the replays ran fold + forward and their
 backward, forward_backward + fold_backward). The eager median is
-host-bound on a slow host (on the H200 machine at B = 1024 it ranged 306-562 us between runs while
-bench_train.py measured 303): read this script for the kernels and the GPU work, bench_train.py for
-the step's time.
+host-bound on a slow host (on the H200 machine at B = 1024, 226.6-338.3 us between runs: README):
+read this script for the kernels and the GPU work, bench_train.py for the step's time.
 Shape: the default, K = O = 8192, k = 16, scale 2.
 """
 

@@ -67,13 +67,13 @@ def bf16(a):
     return rounded.astype(np.uint32).view(np.float32)
 
 
-# Pass 1's (x, weight) operand formats: the kernel's TF32 for both; bf16 for both (a tensor-core
-# what-if); a float32 x against a bf16 copy of the weight (a what-if for the small-batch GEMV, which
-# runs on CUDA cores and is bound by reading the weight: half the bytes); TF32 x against a bf16
-# copy of the weight (a what-if for a TF32 tensor-core pass reading the bf16 copy, whose values
-# TF32 holds exactly: the weight's bytes halved, x's residual term unchanged); fp16 copies of both,
-# each row scaled by a power of two (the branch next/fp16-pass1: fp16 rounds to nearest where the
-# tensor core truncates to TF32, at twice TF32's rate and half its bytes).
+# Pass 1's (x, weight) operand formats: TF32 for both (the kernel's first form); bf16 for both (a
+# tensor-core what-if); a float32 x against a bf16 copy of the weight (a what-if for the small-batch
+# GEMV, which runs on CUDA cores and is bound by reading the weight: half the bytes); TF32 x against
+# a bf16 copy of the weight (a what-if for a TF32 tensor-core pass reading the bf16 copy, whose
+# values TF32 holds exactly: the weight's bytes halved, x's residual term unchanged); fp16 copies of
+# both, each row scaled by a power of two (the kernel's now: fp16 rounds to nearest where the tensor
+# core truncates to TF32, at twice TF32's rate and half its bytes).
 OPERANDS = {
     "tf32": (tf32, tf32),
     "bf16": (bf16, bf16),
@@ -84,7 +84,7 @@ OPERANDS = {
 
 
 def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed,
-             operands="fp16-scaled", partials="float32"):
+             operands="fp16-scaled", partials="bfloat16"):
     convert_x, convert_w = OPERANDS[operands]
     torch.manual_seed(seed)
     bound = 1 / math.sqrt(in_features)

@@ -3,6 +3,8 @@
 #   scripts/device_run.sh build test test-cuda test-slow test-all test-certified sanitize profile
 #                         profile-certified profile-shapes bench-ours bench-forward bench-train
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
+# The benchmarks' results record the commit timed: pass it as FUSED_POOL_GELU_GIT_REVISION=<commit>
+# (the device copy's git metadata is stale, so `git rev-parse` there names an older commit).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fpg-out}
@@ -13,6 +15,10 @@ summary=()
 # Benchmarks merge their rows into the committed results file; a copy comes back in $OUT.
 RESULTS="$ROOT/benchmarks/results/nvidia-h200.json"
 note() { summary+=("$1"); echo "== $1"; }
+warn_unnamed_revision() {
+  [[ -n "${FUSED_POOL_GELU_GIT_REVISION:-}" ]] ||
+    note "FUSED_POOL_GELU_GIT_REVISION unset: the results' git field is the device copy's (stale)"
+}
 
 # run_stage NAME DIR CMD...: run CMD in DIR (tests and benchmarks run outside the source tree, so
 # that the installed package is imported), log to $OUT/NAME.log.
@@ -76,10 +82,12 @@ for stage in "$@"; do
         --impls fold_eager ours_op ours_model --out "$OUT/bench-ours.json"
       ;;
     bench-forward)
+      warn_unnamed_revision
       run_stage bench-forward /tmp python3 "$ROOT/benchmarks/bench_forward.py" --out "$RESULTS"
       cp "$RESULTS" "$OUT/"
       ;;
     bench-train)
+      warn_unnamed_revision
       run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" --out "$RESULTS"
       cp "$RESULTS" "$OUT/"
       ;;

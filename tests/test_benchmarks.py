@@ -1,0 +1,148 @@
+"""The benchmark harness (benchmarks/common.py, plot.py, bench_forward.py) on the CPU: which rows
+count as accurate, that a speedup only compares rows of one run, that a skipped pair replaces an
+older run's row, that plot.py passes over files that are not benchmark results, and that a run
+whose own rows fail says so in its exit status.
+
+The harness is not part of the package: these tests load it from the source tree beside them and
+skip where there is none (an sdist's tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+if not (BENCH_DIR / "common.py").exists():
+    pytest.skip("needs the source tree's benchmarks/", allow_module_level=True)
+
+
+def _load(name):
+    """benchmarks/<name>.py as a module (the scripts import each other as top-level modules)."""
+    path = BENCH_DIR / f"{name}.py"
+    if getattr(sys.modules.get(name), "__file__", None) == str(path):
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load("common")
+
+SHAPE = dict(K=64, O=64, k=4, scale=2.0, dtype="float32", x="rand")
+
+
+def _row(impl, b, us, run_id="run-a", mode="forward", **fields):
+    row = dict(impl=impl, mode=mode, B=b, median_us=us, rel_err_fp64=1e-7, max_abs_err=1e-7,
+               allclose_ref=True, **SHAPE, date=run_id, run_id=run_id, error=None)
+    if mode == "train":
+        row["grad_rel_err_fp64"] = {"weight": 1e-7, "bias": 1e-7, "x": 1e-7}
+    row.update(fields)
+    return row
+
+
+def test_is_accurate_needs_every_element_and_every_gradient():
+    assert common.is_accurate(_row("ours_op", 1, 10.0))
+    # One wrong row in a large batch: the batch-wide norm stays small, allclose does not.
+    assert not common.is_accurate(_row("ours_op", 1, 10.0, allclose_ref=False))
+    assert not common.is_accurate(_row("ours_op", 1, 10.0, rel_err_fp64=2e-5))
+    assert not common.is_accurate(_row("ours_op", 1, None))
+    train = _row("ours_model", 1, 10.0, mode="train")
+    assert common.is_accurate(train)
+    for name in ("weight", "bias", "x"):
+        for bad in (None, 1e-3):  # a step that leaves a gradient out, or gets it wrong
+            grads = dict(train["grad_rel_err_fp64"], **{name: bad})
+            assert not common.is_accurate(dict(train, grad_rel_err_fp64=grads)), (name, bad)
+    assert not common.is_accurate(dict(train, grad_rel_err_fp64=None))
+    # Half types: allclose in their own tolerance decides.
+    half = _row("ours_op", 1, 10.0, dtype="bfloat16", rel_err_fp64=1e-3)
+    assert common.is_accurate(half)
+    assert not common.is_accurate(dict(half, allclose_ref=False))
+
+
+def _speedups(markdown, b):
+    """The speedup cells of batch b's line of the time table."""
+    line = next(line for line in markdown.splitlines() if line.startswith(f"| {b} |"))
+    return [cell.strip() for cell in line.strip("|").split("|") if cell.strip().endswith("x")
+            or cell.strip() == "-"][-2:]
+
+
+def test_speedups_compare_rows_of_one_run_only():
+    rows = [
+        _row("fold_eager", 1, 40.0, run_id="run-a"),
+        _row("ours_op", 1, 10.0, run_id="run-a"),
+        _row("ours_model", 1, 8.0, run_id="run-b"),  # no peer in its run
+        # An inaccurate faster peer is never the best one.
+        _row("fold_compile", 1, 5.0, run_id="run-a", rel_err_fp64=1e-4),
+    ]
+    table = common.markdown_tables(rows, "forward")
+    assert _speedups(table, 1) == ["4.00x", "-"]
+    assert "Rows from 2 runs" in table
+    assert "5.0*" in table
+
+
+def test_a_skipped_pair_replaces_the_older_runs_row(tmp_path):
+    path = tmp_path / "results.json"
+    meta = {"run_id": "run-a"}
+    common.merge_rows(path, [_row("fold_eager", 1, 40.0), _row("ours_op", 1, 10.0)],
+                      {"device": "cpu"}, "forward", meta)
+    skipped = _row("fold_eager", 1, None, run_id="run-b",
+                   error=f"{common.SKIPPED} (past --deadline-s 1)")
+    data = common.merge_rows(path, [skipped, _row("ours_op", 1, 9.0, run_id="run-b")],
+                             {"device": "cpu"}, "forward", {"run_id": "run-b"})
+    assert [r["run_id"] for r in data["rows"]] == ["run-b", "run-b"]
+    assert set(data["runs"]) == {"run-b"}
+    table = common.markdown_tables(data["rows"], "forward")
+    assert "| 1 | skipped | 9.0 |" in table
+
+
+def test_plot_passes_over_files_that_are_not_benchmark_results(tmp_path):
+    plot = _load("plot")
+    results = tmp_path / "gpu.json"
+    common.merge_rows(results, [_row("fold_eager", 1, 40.0), _row("ours_op", 1, 10.0)],
+                      {"device": "cpu", "date": "run-a", "torch": "x"}, "forward",
+                      {"run_id": "run-a"})
+    floors = tmp_path / "gpu-floors.json"
+    floors.write_text(json.dumps({"rows": [{"what": "a one-element kernel", "us": 4.8}]}))
+    out = tmp_path / "out"
+    assert plot.main([str(floors), str(results), "--no-png", "--out-dir", str(out)]) == 0
+    assert (out / "gpu.md").exists() and not (out / "gpu-floors.md").exists()
+    assert "4.00x" in (out / "gpu.md").read_text()
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["ours-accurate", "ours-wrong"])
+def test_the_exit_status_says_whether_ours_is_accurate(broken, monkeypatch, capsys):
+    bench = _load("bench_forward")
+    if broken:
+        build = bench.BUILDERS["ours_op"]
+
+        def build_wrong(ctx):
+            fn = build(ctx)
+            return lambda x: fn(x) * 1.01
+
+        monkeypatch.setitem(bench.BUILDERS, "ours_op", build_wrong)
+    argv = ["--device", "cpu", "--batches", "1", "3", "-K", "64", "-O", "64", "-k", "4",
+            "--impls", "fold_eager", "ours_op", "--warmup", "1", "--rep", "5", "--no-save"]
+    assert bench.main(argv) == (1 if broken else 0)
+    output = capsys.readouterr().out
+    assert ("ERROR: ours failed or is not accurate at ours_op B=1, ours_op B=3" in output) == broken
+
+
+def test_pairs_past_the_deadline_are_written_as_skipped(tmp_path):
+    bench = _load("bench_forward")
+    path = tmp_path / "results.json"
+    argv = ["--device", "cpu", "--batches", "1", "-K", "64", "-O", "64", "-k", "4",
+            "--impls", "fold_eager", "ours_op", "--warmup", "1", "--rep", "5", "--out", str(path)]
+    assert bench.main(argv) == 0
+    first = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    assert all(r["median_us"] is not None for r in first.values())
+    assert bench.main(argv + ["--deadline-s", "1e-9"]) == 0  # every pair past it
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 2
+    assert all(r["median_us"] is None and r["error"].startswith(common.SKIPPED) for r in rows)
