@@ -442,13 +442,16 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
 
 def profile_args(description: str, argv=None) -> argparse.Namespace:
     """The command line of the profile scripts that run the whole module (profile_train.py,
-    profile_backward.py): batch sizes, the shape K, O, k, calls per measurement, --out."""
+    profile_backward.py): batch sizes, the shape K, O, k, calls per measurement, x's
+    distribution, --out."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
     p.add_argument("-K", type=int, default=8192)
     p.add_argument("-O", type=int, default=8192)
     p.add_argument("-k", type=int, default=16)
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--x-distribution", choices=X_DISTRIBUTIONS, default=DEFAULT_SHAPE["x"],
+                   help="x ~ torch.rand (the benchmarks') or torch.randn (benchmark_x)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     return p.parse_args(argv)
 

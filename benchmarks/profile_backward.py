@@ -35,7 +35,7 @@ def main():
     pooled = pooled_weight.shape[0]
     rows = []
     for batch in args.batches:
-        x = common.benchmark_x(batch, args.K, "cuda")
+        x = common.benchmark_x(batch, args.K, "cuda", distribution=args.x_distribution)
         _, model_argmax, preactivation = ops.forward_with_argmax(x, pooled_weight, pooled_bias, 2.0)
         argmaxes = {
             "model": model_argmax,

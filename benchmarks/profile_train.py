@@ -40,14 +40,15 @@ def graph_replay(step):
     return graph.replay
 
 
-def profile(batch, in_features, out_features, pool, calls):
+def profile(batch, in_features, out_features, pool, calls, x_distribution="rand"):
     """Returns ({kernel: {"device_us", "own_us"}}, median time of one step, median time of its
     CUDA-graph replay, us)."""
     # bench_train.py's data: the parameters of Model(K, O, k, 2.0) after torch.manual_seed(0)
     # (ModelNew's constructor draws the same), x from common.benchmark_x.
     torch.manual_seed(0)
     model = fused_pool_gelu.ModelNew(in_features, out_features, pool, 2.0).cuda()
-    x = common.benchmark_x(batch, in_features, "cuda").requires_grad_()
+    x = common.benchmark_x(batch, in_features, "cuda", distribution=x_distribution)
+    x.requires_grad_()
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -64,9 +65,11 @@ def main():
 
     rows = []
     for batch in args.batches:
-        kernels, median, graph_median = profile(batch, args.K, args.O, args.k, args.calls)
+        kernels, median, graph_median = profile(batch, args.K, args.O, args.k, args.calls,
+                                                args.x_distribution)
         total = sum(times["own_us"] for times in kernels.values())
-        rows.append({"B": batch, "K": args.K, "O": args.O, "k": args.k, "kernels_us": kernels,
+        rows.append({"B": batch, "K": args.K, "O": args.O, "k": args.k,
+                     "x": args.x_distribution, "kernels_us": kernels,
                      "own_sum_us": total, "median_us": median, "graph_median_us": graph_median})
         print(f"B={batch:5d}: median {median:7.1f} us, as a CUDA graph {graph_median:7.1f} us, "
               f"own sum {total:7.1f} us", flush=True)
