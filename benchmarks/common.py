@@ -15,8 +15,8 @@ A speedup compares ours with the peers of the same run only.
 Results are merged into ``benchmarks/results/<gpu>.json``:
     {"device", "date", "torch", "rows": [row, ...], "runs": {run_id: metadata}}
 a row: {"impl", "mode", "B", "median_us", "rel_err_fp64", "max_abs_err", "peak_mem_mb" (train),
-        ... plus K, O, k, scale, dtype, date, run_id, error}.
-A new row replaces an old one with the same impl, mode, B and shape (K, O, k, scale, dtype); a
+        ... plus K, O, k, scale, dtype, x, date, run_id, error}.
+A new row replaces an old one with the same impl, mode, B and shape (K, O, k, scale, dtype, x); a
 pair a run skipped (past its deadline) is written as such, so that no older run's row stands in.
 """
 
