@@ -30,9 +30,10 @@ $(STAMP):
 	touch $@
 
 # The wheel is built from the source distribution, as `pip install <sdist>` would build it: a file the
-# sdist lacks (MANIFEST.in) fails here, not on a user's machine.
+# sdist lacks (MANIFEST.in) fails here, not on a user's machine. An earlier build's egg-info goes
+# first: setuptools would also pack whatever its SOURCES.txt lists.
 wheel: $(STAMP)
-	rm -rf dist
+	rm -rf dist *.egg-info
 	$(BIN)/python -m build --sdist --no-isolation --outdir dist .
 	$(BIN)/python -m pip wheel -q --no-build-isolation --no-deps -w dist dist/fused_pool_gelu-*.tar.gz
 

@@ -70,6 +70,10 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 SKIPPED = "skipped"
 
 
+def is_skipped(row: dict) -> bool:
+    return (row.get("error") or "").startswith(SKIPPED)
+
+
 # ----------------------------------------------------------------------------------------------
 # Small utilities (no torch needed: plot.py uses them on a machine without a GPU)
 
@@ -99,7 +103,7 @@ def config_key(row: dict) -> tuple:
     """The shape of a row's run: K, O, k, scale, dtype and x's distribution (rows from before the
     field existed are x ~ rand)."""
     return (row.get("K"), row.get("O"), row.get("k"), row.get("scale"), row.get("dtype"),
-            row.get("x", "rand"))
+            row.get("x", DEFAULT_SHAPE["x"]))
 
 
 def row_key(row: dict) -> tuple:
@@ -253,8 +257,7 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
             if r is None:
                 cells.append("-")
             elif r.get("median_us") is None:
-                error = r.get("error") or ""
-                cells.append("skipped" if error.startswith(SKIPPED) else "error" if error else "-")
+                cells.append("skipped" if is_skipped(r) else "error" if r.get("error") else "-")
             else:
                 mark = ""
                 if not is_accurate(r, threshold):
@@ -323,7 +326,7 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
 def shape_text(row: dict) -> str:
     return (
         f"K = {row.get('K')}, O = {row.get('O')}, k = {row.get('k')}, s = {row.get('scale')}, "
-        f"{row.get('dtype')}, x ~ {row.get('x', 'rand')}"
+        f"{row.get('dtype')}, x ~ {row.get('x', DEFAULT_SHAPE['x'])}"
     )
 
 
@@ -356,21 +359,20 @@ def git_revision() -> Optional[str]:
     override = os.environ.get("FUSED_POOL_GELU_GIT_REVISION")
     if override:
         return override
-    fallback = None
     try:
         rev = subprocess.run(
             ["git", "-C", str(BENCH_DIR), "rev-parse", "--short", "HEAD"],
             capture_output=True, text=True, timeout=10,
         )
         if rev.returncode != 0:
-            return fallback
+            return None
         dirty = subprocess.run(
             ["git", "-C", str(BENCH_DIR), "status", "--porcelain", "--untracked-files=no"],
             capture_output=True, text=True, timeout=10,
         )
         return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except Exception:
-        return fallback
+        return None
 
 
 def synchronize(device) -> None:
@@ -392,9 +394,9 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
                         warmup: int = 5) -> Dict[str, Dict[str, float]]:
     """Per CUDA kernel that fn launches, its mean device time per call ("device_us") and the part
     of it after the kernel before it ended ("own_us"), over `calls` calls with L2 flushed before
-    each one as do_bench does (torch.profiler; the flush's own kernel is left out: found by its
-    name in a profile of the flush alone, and counted, so that fn's kernels of the same name, if
-    any, make this raise instead of vanishing).
+    each one as do_bench does (torch.profiler; the flush's own kernel is left out: the first
+    kernel of the profile is the first flush, and its launches are counted, so that fn's kernels
+    of the same name, if any, make this raise instead of vanishing).
 
     On sm_90+ the forward's later kernels are programmatic dependent launches: they start while
     the kernel before them runs and wait for it, so their device time holds that wait; their own
@@ -404,14 +406,6 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
     from fused_pool_gelu.timing import l2_flush_buffer
 
     flush = l2_flush_buffer()
-
-    def cuda_events(prof):
-        return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        flush.zero_()
-        torch.cuda.synchronize()
-    flush_names = {e.name for e in cuda_events(prof)}
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -420,19 +414,21 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
             flush.zero_()
             fn()
         torch.cuda.synchronize()
-    events = sorted((e for e in cuda_events(prof) if e.time_range.end > e.time_range.start),
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and e.time_range.end > e.time_range.start),
                     key=lambda e: e.time_range.start)
-    flushes = sum(e.name in flush_names for e in events)
+    flush_name = events[0].name
+    flushes = sum(e.name == flush_name for e in events)
     if flushes != calls:
         raise RuntimeError(f"kernel_device_times: {flushes} launches of the flush's kernel "
-                           f"({sorted(flush_names)}) for {calls} calls: fn launches it too")
+                           f"({flush_name}) for {calls} calls: fn launches it too")
     kernels: Dict[str, Dict[str, float]] = {}
     previous_end = float("-inf")
     for event in events:
         start, end = event.time_range.start, event.time_range.end
         own = end - max(start, previous_end)
         previous_end = max(previous_end, end)
-        if event.name in flush_names:
+        if event.name == flush_name:
             continue
         times = kernels.setdefault(event.name, {"device_us": 0.0, "own_us": 0.0})
         times["device_us"] += (end - start) / calls
@@ -735,7 +731,24 @@ def run_benchmark(
         if out_path is not None and rows:
             merge_rows(out_path, rows, header, mode, run_meta)
 
+    def new_row(impl, b, **fields):
+        return dict(impl=impl, mode=mode, B=b, **shape, date=run_id, run_id=run_id, **fields)
+
+    def past_deadline():
+        return args.deadline_s and time.perf_counter() - start > args.deadline_s
+
+    def skip(impl, batches):
+        """Rows for the pairs not measured, so that no older run's row stands in for them."""
+        reason = f"{SKIPPED} (past --deadline-s {args.deadline_s:g})"
+        for b in batches:
+            log(f"{impl} B={b}: {reason}", start)
+            rows.append(new_row(impl, b, median_us=None, error=reason))
+        save()
+
     for impl in order:
+        if past_deadline():
+            skip(impl, args.batches)
+            continue
         impl_obj = None
         try:
             impl_obj = builders[impl](ctx)
@@ -744,21 +757,16 @@ def run_benchmark(
             log(f"{impl}: could not build: {msg.splitlines()[0][:300]}", start)
             traceback.print_exc(limit=-4)
             for b in args.batches:
-                rows.append(dict(impl=impl, mode=mode, B=b, median_us=None, **shape,
-                                 date=run_id, run_id=run_id, error=msg[:1000]))
+                rows.append(new_row(impl, b, median_us=None, error=msg[:1000]))
             failures += 1
             save()
             continue
-        for b in args.batches:
-            if args.deadline_s and time.perf_counter() - start > args.deadline_s:
-                reason = f"{SKIPPED} (past --deadline-s {args.deadline_s:g})"
-                log(f"{impl} B={b}: {reason}", start)
-                rows.append(dict(impl=impl, mode=mode, B=b, median_us=None, **shape,
-                                 date=run_id, run_id=run_id, error=reason))
-                save()
-                continue
+        for i, b in enumerate(args.batches):
+            if past_deadline():
+                skip(impl, args.batches[i:])
+                break
             x, ref = cases[b]
-            row = dict(impl=impl, mode=mode, B=b, **shape, date=run_id, run_id=run_id)
+            row = new_row(impl, b)
             try:
                 row.update(measure(ctx, impl_obj, x, ref, time_us))
                 synchronize(device)
@@ -789,8 +797,7 @@ def run_benchmark(
         log(f"WARNING: {failures} impl/batch measurement(s) failed; see the error rows above",
             start)
     ours_bad = [f"{r['impl']} B={r['B']}" for r in rows
-                if r["impl"] in OURS and not (r.get("error") or "").startswith(SKIPPED)
-                and not is_accurate(r)]
+                if r["impl"] in OURS and not is_skipped(r) and not is_accurate(r)]
     if ours_bad:
         log(f"ERROR: ours failed or is not accurate at {', '.join(ours_bad)}", start)
     log("done", start)

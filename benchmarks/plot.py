@@ -37,7 +37,7 @@ def group_by_config(rows):
     groups = defaultdict(list)
     for r in rows:
         groups[common.config_key(r)].append(r)
-    default = tuple(common.DEFAULT_SHAPE[k] for k in ("K", "O", "k", "scale", "dtype", "x"))
+    default = common.config_key(common.DEFAULT_SHAPE)
     # The default shape first, then by number of rows.
     return sorted(groups.items(), key=lambda kv: (kv[0] != default, -len(kv[1]), str(kv[0])))
 

@@ -40,7 +40,7 @@ def graph_replay(step):
     return graph.replay
 
 
-def profile(batch, in_features, out_features, pool, calls, x_distribution="rand"):
+def profile(batch, in_features, out_features, pool, calls, x_distribution):
     """Returns ({kernel: {"device_us", "own_us"}}, median time of one step, median time of its
     CUDA-graph replay, us)."""
     # bench_train.py's data: the parameters of Model(K, O, k, 2.0) after torch.manual_seed(0)

@@ -21,17 +21,14 @@ def _checked_pool_kernel_size(pool_kernel_size) -> int:
 
 
 def pool_kernel_size_of(model: nn.Module) -> int:
-    """The pooling window of a :class:`Model` or :class:`ModelNew`, checked."""
+    """The pooling window of a :class:`Model` or :class:`ModelNew` (the callers check which),
+    checked."""
     if isinstance(model, ModelNew):
         return _checked_pool_kernel_size(model.pool_kernel_size)
-    if isinstance(model, Model):
-        kernel_size = model.avg_pool.kernel_size
-        if isinstance(kernel_size, (tuple, list)):
-            (kernel_size,) = kernel_size
-        return _checked_pool_kernel_size(kernel_size)
-    raise TypeError(
-        f"model must be a fused_pool_gelu.Model or ModelNew, got {type(model).__name__}"
-    )
+    kernel_size = model.avg_pool.kernel_size
+    if isinstance(kernel_size, (tuple, list)):
+        (kernel_size,) = kernel_size
+    return _checked_pool_kernel_size(kernel_size)
 
 
 class Model(nn.Module):

@@ -188,6 +188,18 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
 
 
+def _fold_backward64(grad_pooled_weight, grad_pooled_bias, out_features, k):
+    """fold's adjoint in float64: each pooled row's gradient / k on the k rows of its group, zeros
+    on the out_features % k tail rows (grad_weight [out_features, K], grad_bias [out_features])."""
+    pooled, in_features = grad_pooled_weight.shape
+    options = dict(dtype=torch.float64, device=grad_pooled_weight.device)
+    grad_weight = torch.zeros(out_features, in_features, **options)
+    grad_bias = torch.zeros(out_features, **options)
+    grad_weight[: pooled * k] = grad_pooled_weight.double().repeat_interleave(k, dim=0) / k
+    grad_bias[: pooled * k] = grad_pooled_bias.double().repeat_interleave(k) / k
+    return grad_weight, grad_bias
+
+
 def _gelu_grad64(z):
     """d/dz gelu(z) = Phi(z) + z phi(z), in z's dtype (float64 for a reference)."""
     cdf = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
@@ -203,6 +215,7 @@ def ref():
         model_forward=_model_forward,
         tolerance=_tolerance,
         grouped_sums=_grouped_sums,
+        fold_backward=_fold_backward64,
         gelu_grad=_gelu_grad64,
     )
 

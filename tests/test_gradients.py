@@ -401,8 +401,8 @@ def test_model_forward_saved_input_edited_in_place_raises(device, make_inputs):
 # ----------------------------------------------------------------------------------------------
 # model_backward: forward_backward then fold_backward in one op (model_forward's backward). On CUDA
 # it leaves the pooled gradient's rows of empty segments unwritten and never reads them, so every
-# case below has empty segments, and the allocator's blocks are filled with NaN first: a row read
-# by mistake shows as NaN instead of a lucky zero.
+# case below has empty segments, and runs in deterministic mode, which fills every allocation with
+# NaN: a row read by mistake shows as NaN instead of a lucky zero.
 
 # (batch, pooled, in_features, k, out_features, arg-max distribution)
 MODEL_BACKWARD_CASES = [
@@ -416,18 +416,10 @@ MODEL_BACKWARD_CASES = [
 ]
 
 
-def _poison_allocator(device, *numels):
-    """Fills fresh blocks of these sizes with NaN and frees them: the caching allocator hands them
-    to the next allocations of the same sizes (best effort; on the CPU a no-op)."""
-    if device != "cpu":
-        blocks = [torch.full((n,), float("nan"), device=device) for n in numels]
-        del blocks
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", MODEL_BACKWARD_CASES)
 def test_model_backward_equals_fold_backward_of_forward_backward_bit_for_bit(
-    case, dtype, device, ref
+    case, dtype, device, ref, deterministic_algorithms
 ):
     batch, pooled, in_features, k, out_features, distribution = case
     generator = torch.Generator().manual_seed(batch * 1000 + pooled)
@@ -448,7 +440,6 @@ def test_model_backward_equals_fold_backward_of_forward_backward_bit_for_bit(
     argmax = argmax.to(device)
     assert argmax.unique().numel() < pooled  # some segments are empty
 
-    _poison_allocator(device, batch * in_features, pooled * in_features, pooled)
     ours = _OPS.model_backward(
         grad_out, x, pooled_weight, argmax, preactivation, 2.0, out_features, k
     )
@@ -467,10 +458,9 @@ def test_model_backward_equals_fold_backward_of_forward_backward_bit_for_bit(
     dz = grad_out.double().cpu() * 2.0 * ref.gelu_grad(preactivation.double().cpu())
     weight64, argmax64 = pooled_weight.double().cpu(), argmax.cpu()
     grad_pooled_weight64, grad_pooled_bias64 = ref.grouped_sums(x.double(), dz, argmax64, pooled)
-    grad_weight64 = torch.zeros(out_features, in_features, dtype=torch.float64)
-    grad_weight64[: pooled * k] = (grad_pooled_weight64 / k).repeat_interleave(k, dim=0)
-    grad_bias64 = torch.zeros(out_features, dtype=torch.float64)
-    grad_bias64[: pooled * k] = (grad_pooled_bias64 / k).repeat_interleave(k)
+    grad_weight64, grad_bias64 = ref.fold_backward(
+        grad_pooled_weight64, grad_pooled_bias64, out_features, k
+    )
     tol = ref.tolerance(dtype)
     for got, want in zip(ours, (dz[:, None] * weight64[argmax64], grad_weight64, grad_bias64)):
         scale = float(want.abs().max()) if want.numel() else 0.0

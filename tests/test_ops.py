@@ -108,7 +108,7 @@ def test_fold_accepts_non_contiguous_weight(layout, device, ref):
     ids=str,
 )
 def test_fold_backward_spreads_each_pooled_row_over_its_group_divided_by_k(
-    shape, dtype, device, deterministic_algorithms
+    shape, dtype, device, deterministic_algorithms, ref
 ):
     out_features, in_features, k = shape
     n = out_features // k
@@ -117,10 +117,9 @@ def test_fold_backward_spreads_each_pooled_row_over_its_group_divided_by_k(
     grad_weight, grad_bias = _OPS.fold_backward(
         grad_pooled_weight, grad_pooled_bias, out_features, k
     )
-    expected_weight = torch.zeros(out_features, in_features, dtype=torch.float64, device=device)
-    expected_bias = torch.zeros(out_features, dtype=torch.float64, device=device)
-    expected_weight[: n * k] = grad_pooled_weight.double().repeat_interleave(k, dim=0) / k
-    expected_bias[: n * k] = grad_pooled_bias.double().repeat_interleave(k) / k
+    expected_weight, expected_bias = ref.fold_backward(
+        grad_pooled_weight, grad_pooled_bias, out_features, k
+    )
     assert grad_weight.shape == (out_features, in_features) and grad_weight.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(grad_weight.double(), expected_weight, atol=tol, rtol=tol)

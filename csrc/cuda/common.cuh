@@ -175,7 +175,7 @@ constexpr int64_t kMaxGridX = 0x7fffffff;
 
 // Blocks of `per_block` items covering `items` (`what` they are, named in the error), checked
 // against gridDim.x's limit.
-inline unsigned int grid_blocks(int64_t items, int64_t per_block, const char* what = "work items") {
+inline unsigned int grid_blocks(int64_t items, int64_t per_block, const char* what) {
   const int64_t blocks = ceil_div(items, per_block);
   TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu: ", items, " ", what, " need ", blocks,
               " CUDA blocks of ", per_block, ", more than gridDim.x's limit of ", kMaxGridX);

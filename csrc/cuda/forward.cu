@@ -411,17 +411,6 @@ void for_each_rowwise_batch(F&& f) {
   for_each_value<kRowwiseBatches>(f, std::make_index_sequence<std::size(kRowwiseBatches)>{});
 }
 
-// Calls f(Tile{}) for each of the certified pass 1's tiles (fg::Pass1Tiles): certified_forward
-// picks one, device_info sets each instance's shared memory.
-template <typename F, typename... Tiles>
-void for_each_tile_in(F&& f, fg::Pass1TileList<Tiles...>) {
-  (f(Tiles{}), ...);
-}
-template <typename F>
-void for_each_pass1_tile(F&& f) {
-  for_each_tile_in(f, fg::Pass1Tiles{});
-}
-
 template <typename Kernel>
 int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
   int ctas = 0;
@@ -539,12 +528,12 @@ const DeviceInfo& device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     info->dependent_launch = device_has_dependent_launch(device);
     if (FPG_WITH_SM90A && major == 9 && minor == 0 &&
-        std::max(fg::kWgSmemBytes, fg::kPass1MaxSmemBytes) <= max_smem_optin) {
+        std::max(fg::kWgSmemBytes, fg::Pass1Tiles::kMaxSmemBytes) <= max_smem_optin) {
       cudaFuncAttributes attributes{};
       C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
       if (attributes.binaryVersion == 90) {
         set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
-        for_each_pass1_tile([](auto tile) {
+        fg::Pass1Tiles::for_each([](auto tile) {
           using Tile = decltype(tile);
           set_max_dynamic_smem(fg::certified_pass1_kernel<Tile::kM, Tile::kN>, Tile::kSmemBytes);
         });
@@ -1135,7 +1124,7 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
 void launch_pass1(int64_t block_m, int64_t block_n, cudaLaunchConfig_t config,
                   const fg::GemmParams& gemm, const fg::TmaMaps& maps) {
   bool launched = false;
-  for_each_pass1_tile([&](auto tile) {
+  fg::Pass1Tiles::for_each([&](auto tile) {
     using Tile = decltype(tile);
     if (block_m != Tile::kM || block_n != Tile::kN) return;
     config.dynamicSmemBytes = Tile::kSmemBytes;

@@ -111,7 +111,6 @@ static_assert(kWgConsumerWarps * 16 == kWgBlockM, "16 x rows per consumer warp")
 static_assert(kWgProducerThreads + 32 * kWgConsumerWarps == kWgThreads, "warp roles");
 // Registers per thread at launch: 65536 / kWgThreads, rounded down to setmaxnreg's multiple of 8.
 constexpr int kWgLaunchRegisters = 65536 / kWgThreads / 8 * 8;
-static_assert(kWgLaunchRegisters == 168, "384 threads");
 static_assert(kWgProducerThreads * kWgProducerRegisters +
                       32 * kWgConsumerWarps * kWgConsumerRegisters <=
                   kWgThreads * kWgLaunchRegisters,
@@ -610,9 +609,13 @@ struct Pass1Tile {
 template <typename... Tiles>
 struct Pass1TileList {
   static constexpr int kMaxSmemBytes = std::max({Tiles::kSmemBytes...});
+  // Calls f(Tile{}) for each tile (forward.cu: the launch, each instance's shared memory).
+  template <typename F>
+  static void for_each(F&& f) {
+    (f(Tiles{}), ...);
+  }
 };
 using Pass1Tiles = Pass1TileList<Pass1Tile<64, 128>, Pass1Tile<128, 128>, Pass1Tile<128, 256>>;
-constexpr int kPass1MaxSmemBytes = Pass1Tiles::kMaxSmemBytes;
 
 #if FPG_WGMMA_DEVICE_CODE
 // d += a * b on 64 x 256 x 16: a fp16 from registers (the m16n8k16 A fragment of each warp's 16
