@@ -12,7 +12,6 @@ fixture:
 - ``deterministic_algorithms``: deterministic mode, in which every fresh allocation (the ops'
   workspace included) is filled with NaN: a value a kernel never writes shows, even where an
   identical earlier call left the right one in the allocator's cache.
-- ``free_port``: a free TCP port for a process group's rendezvous.
 
 Every test starts from its own seed (derived from its node id): fresh data, reproducible.
 """
@@ -20,7 +19,6 @@ Every test starts from its own seed (derived from its node id): fresh data, repr
 from __future__ import annotations
 
 import math
-import socket
 import zlib
 from types import SimpleNamespace
 
@@ -296,15 +294,3 @@ def _capture_graph(fn):
 @pytest.fixture
 def capture_graph():
     return _capture_graph
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def free_port():
-    """Returns a function giving a TCP port on 127.0.0.1 that no socket holds now."""
-    return _free_port

@@ -526,11 +526,11 @@ def test_torch_save_and_load_of_the_whole_module():
 # DistributedDataParallel (gloo, 2 CPU processes)
 
 
-def test_ddp_gradients_equal_single_process_gradients(tmp_path, free_port):
+def test_ddp_gradients_equal_single_process_gradients(tmp_path):
     args, batch = (48, 40, 4, 2.0), 16
     worker = Path(__file__).with_name("_ddp_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, str(worker), str(tmp_path), str(free_port())]
+    command = [sys.executable, str(worker), str(tmp_path)]
     command += [str(a) for a in args] + [str(batch)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr

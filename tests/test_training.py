@@ -475,7 +475,7 @@ def test_reduce_overhead_compiled_training_steps_equal_eager_steps():
 
 
 @pytest.fixture
-def nccl_world_of_one(free_port):
+def nccl_world_of_one(tmp_path):
     if not dist.is_available() or not dist.is_nccl_available():
         pytest.skip("torch.distributed was built without NCCL")
     if dist.is_initialized():
@@ -483,7 +483,7 @@ def nccl_world_of_one(free_port):
     torch.cuda.set_device(0)
     dist.init_process_group(
         "nccl",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
+        init_method=f"file://{tmp_path}/rendezvous",
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=60),
