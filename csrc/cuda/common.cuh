@@ -59,12 +59,21 @@ __device__ __forceinline__ void prefetch_to_l2(const void* p, uint32_t bytes) {
 #endif
 }
 
-// A load of read-only data whose line L2 evicts before the others (createpolicy evict_first:
-// data read once, which should not push out data read again); elsewhere a plain __ldg.
-__device__ __forceinline__ float4 ldg_evict_first(const float4* p) {
+// An L2 policy under which loaded lines are evicted before the others (createpolicy evict_first:
+// data read once, which should not push out data read again). Made once, before a load loop.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   uint64_t policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+#else
+  return 0;
+#endif
+}
+
+// A load of read-only data under an L2 policy (l2_evict_first_policy); elsewhere a plain __ldg.
+__device__ __forceinline__ float4 ldg_with_policy(const float4* p, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   float4 v;
   asm("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;\n"
       : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)

@@ -749,12 +749,13 @@ __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float
   // within the 64 registers that let 4 CTAs share an SM (rescore_kernel; four for every group
   // needed 80, 3 CTAs per SM). kDeepLoads (select_rescore_kernel, one CTA per SM): twice that,
   // so that at K = 8192 a row's x and its first two candidates are one round trip.
+  // x's row is read once per group of its candidates, a weight row by every row that has it as a
+  // candidate: from B ~ 1024 the two no longer fit L2 together, and x's lines should go first.
+  // (The fused kernel's few rows fit L2 many times over, and the policy's registers spill there.)
+  const uint64_t x_policy = kDeepLoads ? 0 : l2_evict_first_policy();
 #pragma unroll((kColumns <= 2 ? 4 : 2) * (kDeepLoads ? 2 : 1))
   for (int64_t i = thread; i < p.k4; i += kThreads) {
-    // x's row is read once per group of its candidates, a weight row by every row that has it as a
-    // candidate: from B ~ 1024 the two no longer fit L2 together, and x's lines should go first.
-    // (The fused kernel's few rows fit L2 many times over, and the policy's registers spill there.)
-    const float4 a = kDeepLoads ? __ldg(x_row + i) : ldg_evict_first(x_row + i);
+    const float4 a = kDeepLoads ? __ldg(x_row + i) : ldg_with_policy(x_row + i, x_policy);
 #pragma unroll
     for (int g = 0; g < kColumns; ++g) {
       const float4 b = __ldg(w_rows[g] + i);
