@@ -8,6 +8,8 @@ non-contiguous inputs, special values; then opcheck and the documented errors.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -332,6 +334,84 @@ def test_argmax_ties_among_all_columns_pick_index_zero(device):
     weight = (torch.randint(-4, 5, (1, 12)) / 8).expand(6, 12).contiguous().to(device)
     _, argmax, _ = ops.forward_with_argmax(x, weight, torch.full((6,), 0.25, device=device), 2.0)
     assert torch.equal(argmax, torch.zeros(5, dtype=torch.long, device=device))
+
+
+def _preactivations_around_the_band(case, dtype, rows, columns, generator):
+    """Pre-activations z [rows, columns], a bias (or None) and a scale that put columns where the
+    CPU forward's shortcut (csrc/cpu/forward.cpp, best_column_of_row: the GELU evaluated only for z
+    within 2^-10 of the row's largest) must either see every winner or fall back to every column."""
+    finfo = torch.finfo(dtype)
+    uniform = lambda low, high: low + (high - low) * torch.rand(  # noqa: E731
+        rows, columns, generator=generator, dtype=dtype)
+    shuffled = lambda z: z.gather(  # noqa: E731
+        1, torch.argsort(torch.rand(rows, columns, generator=generator), dim=1))
+    top = uniform(0.5, 4.0)[:, :1]
+    bias, scale = None, 2.0
+    if case == "ulp_ties":
+        # z ulps apart in ascending order, where scale * gelu(z) = 1.5 z rounds up a binade (z in
+        # [2^3 4 / 3, 2^4)): neighbouring z tie, and the first of a tie is not z_max's column.
+        top = uniform(2**3 * 4 / 3, 2**4)[:, :1]
+        steps = torch.randint(0, 8, (rows, columns), generator=generator).to(dtype)
+        z = (top - steps * (finfo.eps * 2**3)).sort(dim=1).values  # an ulp of [2^3, 2^4): exact
+        scale = 1.5
+    elif case == "near_smallest":  # z_max and the values around sqrt(smallest normal)
+        z = math.sqrt(finfo.tiny) * uniform(0.25, 4.0)
+    elif case == "subnormal_z":  # 0.5 z of neighbouring subnormals ties; a huge scale hides it
+        z = shuffled(torch.arange(1, columns + 1, dtype=dtype).expand(rows, columns) * finfo.smallest_normal * finfo.eps)
+        scale = 2.0**100 if dtype == torch.float32 else 2.0**1000
+    elif case == "overflow":  # scale * gelu is Inf for many columns: the first one wins
+        z = finfo.max * uniform(1e-8, 0.9)
+        scale = 1e10
+    elif case == "underflow":  # scale * gelu a few subnormal ulps: ties far outside the band
+        z = uniform(0.5, 4.0)
+        scale = 2.0**-146 if dtype == torch.float32 else 2.0**-1071
+    elif case == "negative_scale":
+        z = torch.randn(rows, columns, generator=generator, dtype=dtype)
+        scale = -2.0
+    elif case == "all_negative":  # z_max < 0: the largest GELU may be the most negative z's
+        z = -torch.randn(rows, columns, generator=generator, dtype=dtype).abs() * 4
+    elif case in ("nan_and_minus_inf", "plus_inf"):  # through the bias; the first one wins
+        z = torch.randn(rows, columns, generator=generator, dtype=dtype)
+        bias = torch.zeros(columns, dtype=dtype)
+        if case == "plus_inf":
+            bias[[17, 3]] = float("inf")
+        else:  # no +Inf, which alone would take the largest z's place
+            bias[[30, 9]] = torch.tensor([float("nan"), -float("inf")], dtype=dtype)
+    else:
+        assert case == "randn"
+        z = torch.randn(rows, columns, generator=generator, dtype=dtype)
+    assert bool((z != 0).all())  # an identity GEMM reproduces z bit for bit, signed zeros aside
+    return z, bias, scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "case",
+    ["randn", "ulp_ties", "near_smallest", "subnormal_z", "overflow", "underflow",
+     "negative_scale", "all_negative", "nan_and_minus_inf", "plus_inf"],
+)
+def test_cpu_forward_takes_the_first_best_of_every_columns_own_value(case, dtype):
+    # With an identity weight z = x exactly, so each column's own value is the forward of that
+    # column alone; the row's answer must be torch.max's rule over all of them, bit for bit,
+    # whichever columns the CPU kernel evaluated.
+    rows, columns = 64, 80
+    z, bias, scale = _preactivations_around_the_band(
+        case, dtype, rows, columns, torch.Generator().manual_seed(columns))
+    out, argmax, preactivation = ops.forward_with_argmax(
+        z, torch.eye(columns, dtype=dtype), bias, scale)
+    one = torch.ones(1, 1, dtype=dtype)
+    own = torch.stack(
+        [ops.forward_with_argmax(z[:, n : n + 1], one, None if bias is None else bias[n : n + 1],
+                                 scale)[0] for n in range(columns)], dim=1)
+    nan = own.isnan()
+    best = torch.where(nan.any(dim=1), nan.to(torch.int8).argmax(dim=1),
+                       (own == own.max(dim=1, keepdim=True).values).to(torch.int8).argmax(dim=1))
+    assert torch.equal(argmax, best)
+    rows_index = torch.arange(rows)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    assert torch.equal(out.view(bits), own[rows_index, best].view(bits))
+    z_biased = z if bias is None else z + bias
+    assert torch.equal(preactivation.view(bits), z_biased[rows_index, best].view(bits))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

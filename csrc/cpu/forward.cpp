@@ -2,7 +2,8 @@
 //
 // The GEMM goes through ATen (BLAS): it is the fastest correct CPU matmul we have. It runs over
 // blocks of rows so the [rows, N] product stays a cache-sized scratch tile instead of a [B, N]
-// tensor, and one fused pass over each tile does bias + GELU + scale + max + arg-max.
+// tensor, and one fused pass over each tile does bias + GELU + scale + max + arg-max, evaluating
+// the GELU (a scalar erf) only for the columns that can win (best_column_of_row).
 #include "checks.h"
 #include "cpu/dtypes.h"
 #include "prepared_weight.h"
@@ -35,6 +36,70 @@ template <typename scalar_t>
 scalar_t activation(scalar_t z, scalar_t scale) {
   if (!std::isfinite(z)) return std::numeric_limits<scalar_t>::quiet_NaN();
   return scalar_t(0.5) * z * (scalar_t(1) + std::erf(z * scalar_t(M_SQRT1_2))) * scale;
+}
+
+template <typename scalar_t>
+struct BestColumn {
+  scalar_t value;  // scale * gelu(z)
+  scalar_t z;
+  int64_t index;
+};
+
+// torch.max's rule over activation(z_n, scale) for the columns n whose z_n `admit` accepts, in
+// column order: the first maximum wins ties, and the first NaN beats everything.
+template <typename scalar_t, typename Admit>
+BestColumn<scalar_t> best_admitted_column(const scalar_t* z_row, const scalar_t* bias,
+                                          int64_t pooled, scalar_t scale, Admit admit) {
+  BestColumn<scalar_t> best{scalar_t(0), scalar_t(0), -1};
+  for (int64_t n = 0; n < pooled; ++n) {
+    const scalar_t z = z_row[n] + (bias ? bias[n] : scalar_t(0));
+    if (!admit(z)) continue;
+    const scalar_t v = activation(z, scale);
+    if (best.index < 0 || v > best.value || (std::isnan(v) && !std::isnan(best.value))) {
+      best = {v, z, n};
+    }
+  }
+  return best;
+}
+
+// The row's answer, with the same bits as activation() on every column followed by torch.max's
+// rule, but with the erf evaluated on a few columns only where that provably gives the answer.
+//
+// For 0 < z <= z' (1 - d): gelu(z) = z Phi(z) <= z Phi(z') <= (1 - d) gelu(z'), Phi increasing.
+// activation() computes gelu with relative error e of a few units in the last place (the erf's
+// argument, erf itself, 1 + erf and the product each round once; none cancels for z > 0), so
+// with d = kBand = 2^-10 >> 3e a column below the band [z_max (1 - d), z_max] has a computed
+// gelu below that of z_max's column, by a relative gap of more than d - 3e. Multiplying by scale
+// > 0 rounds monotonically, and while the products are normal numbers a gap that wide survives
+// the rounding strictly: such a column can neither beat nor tie the band's best. Columns with z
+// <= 0 give gelu <= 0 < gelu(z_max). So the band alone decides, when: scale is positive and
+// finite, every z is finite (else the first non-finite column's NaN wins), and z_max and the
+// band's best value are finite and far from the subnormals, `smallest` (where rounding is
+// absolute, 0.5 z of two subnormal z can be equal, and scale * gelu overflowing to Inf or
+// underflowing towards 0 makes columns outside the band tie with it). Otherwise, and for scale <=
+// 0 (the maximum of a decreasing function of gelu), every column is evaluated.
+template <typename scalar_t>
+BestColumn<scalar_t> best_column_of_row(const scalar_t* z_row, const scalar_t* bias,
+                                        int64_t pooled, scalar_t scale) {
+  constexpr scalar_t kBand = scalar_t(1) / 1024;
+  // 2^-63 for float32, 2^-511 for float64: normal numbers with room to spare.
+  const scalar_t smallest = std::sqrt(std::numeric_limits<scalar_t>::min());
+  if (scale > 0 && std::isfinite(scale)) {
+    scalar_t z_max = -std::numeric_limits<scalar_t>::infinity();
+    bool finite = true;
+    for (int64_t n = 0; n < pooled; ++n) {
+      const scalar_t z = z_row[n] + (bias ? bias[n] : scalar_t(0));
+      finite &= std::isfinite(z);
+      z_max = z > z_max ? z : z_max;
+    }
+    if (finite && z_max >= smallest) {
+      const scalar_t threshold = z_max * (1 - kBand);
+      const BestColumn<scalar_t> best = best_admitted_column(
+          z_row, bias, pooled, scale, [threshold](scalar_t z) { return z >= threshold; });
+      if (std::isfinite(best.value) && best.value >= smallest) return best;
+    }
+  }
+  return best_admitted_column(z_row, bias, pooled, scale, [](scalar_t) { return true; });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
@@ -75,22 +140,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
       const scalar_t* z_rows = product.const_data_ptr<scalar_t>();
       at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-          const scalar_t* z_row = z_rows + i * pooled;
-          // torch.max semantics: the first maximum wins ties, and the first NaN beats everything.
-          scalar_t best = scalar_t(0), best_z = scalar_t(0);
-          int64_t best_n = -1;
-          for (int64_t n = 0; n < pooled; ++n) {
-            const scalar_t z = z_row[n] + (bias_ptr ? bias_ptr[n] : scalar_t(0));
-            const scalar_t v = activation(z, s);
-            if (best_n < 0 || v > best || (std::isnan(v) && !std::isnan(best))) {
-              best = v;
-              best_z = z;
-              best_n = n;
-            }
-          }
-          out_ptr[row0 + i] = best;
-          argmax_ptr[row0 + i] = best_n;
-          pre_ptr[row0 + i] = best_z;
+          const BestColumn<scalar_t> best =
+              best_column_of_row(z_rows + i * pooled, bias_ptr, pooled, s);
+          out_ptr[row0 + i] = best.value;
+          argmax_ptr[row0 + i] = best.index;
+          pre_ptr[row0 + i] = best.z;
         }
       });
     }
