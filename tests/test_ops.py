@@ -157,6 +157,17 @@ def test_forward_with_argmax_matches_reference(shape, dtype, device, make_inputs
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch, pooled", [(600, 16384), (2500, 4096)], ids=["N=16384", "N=4096"])
+def test_cpu_forward_over_several_row_blocks(batch, pooled, dtype, make_inputs, check_forward):
+    # The CPU forward multiplies blocks of max(256, 16 MB / (N x element size)) rows: 256 rows
+    # (float32 and float64) at N = 16384, 1024 / 512 at N = 4096; both batches end in a partial
+    # block.
+    x, weight, bias = make_inputs(batch, 8, pooled, dtype, "cpu")
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fold_then_forward_matches_model(shape, dtype, device, make_inputs, ref):
     batch, in_features, out_features, k = shape
