@@ -87,6 +87,8 @@ std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
 }
 
 // grad_weight[n*k + r] = grad_pooled_weight[n] / k for n < N, tail rows zero; bias likewise.
+// A group's rows are equal: the first of them in this thread's range is divided, the others are
+// copies of the row before (one division per pooled element, not k).
 template <typename scalar_t>
 void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t pooled,
                  int64_t out_rows, int64_t cols, int64_t k) {
@@ -95,11 +97,13 @@ void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t
       scalar_t* out = dst + o * cols;
       const int64_t n = o / k;
       if (n >= pooled) {
-        for (int64_t c = 0; c < cols; ++c) out[c] = scalar_t(0);
-        continue;
+        std::fill(out, out + cols, scalar_t(0));
+      } else if (o == n * k || o == begin) {
+        const scalar_t* row = src + n * src_stride;
+        for (int64_t c = 0; c < cols; ++c) out[c] = row[c] / static_cast<scalar_t>(k);
+      } else {
+        std::copy(out - cols, out, out);
       }
-      const scalar_t* row = src + n * src_stride;
-      for (int64_t c = 0; c < cols; ++c) out[c] = row[c] / static_cast<scalar_t>(k);
     }
   });
 }
