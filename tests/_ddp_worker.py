@@ -48,7 +48,7 @@ def run(rank, out_dir, *model_args):
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
+        init_method=f"file://{os.path.join(os.path.abspath(out_dir), 'rendezvous')}",
         rank=rank,
         world_size=WORLD_SIZE,
         timeout=timedelta(seconds=60),

@@ -356,7 +356,6 @@ def _preactivations_around_the_band(case, dtype, rows, columns, generator):
         rows, columns, generator=generator, dtype=dtype)
     shuffled = lambda z: z.gather(  # noqa: E731
         1, torch.argsort(torch.rand(rows, columns, generator=generator), dim=1))
-    top = uniform(0.5, 4.0)[:, :1]
     bias, scale = None, 2.0
     if case == "ulp_ties":
         # z ulps apart in ascending order, where scale * gelu(z) = 1.5 z rounds up a binade (z in
@@ -368,7 +367,8 @@ def _preactivations_around_the_band(case, dtype, rows, columns, generator):
     elif case == "near_smallest":  # z_max and the values around sqrt(smallest normal)
         z = math.sqrt(finfo.tiny) * uniform(0.25, 4.0)
     elif case == "subnormal_z":  # 0.5 z of neighbouring subnormals ties; a huge scale hides it
-        z = shuffled(torch.arange(1, columns + 1, dtype=dtype).expand(rows, columns) * finfo.smallest_normal * finfo.eps)
+        subnormals = torch.arange(1, columns + 1, dtype=dtype) * (finfo.smallest_normal * finfo.eps)
+        z = shuffled(subnormals.expand(rows, columns))
         scale = 2.0**100 if dtype == torch.float32 else 2.0**1000
     elif case == "overflow":  # scale * gelu is Inf for many columns: the first one wins
         z = finfo.max * uniform(1e-8, 0.9)
@@ -384,27 +384,33 @@ def _preactivations_around_the_band(case, dtype, rows, columns, generator):
     elif case in ("nan_and_minus_inf", "plus_inf"):  # through the bias; the first one wins
         z = torch.randn(rows, columns, generator=generator, dtype=dtype)
         bias = torch.zeros(columns, dtype=dtype)
-        if case == "plus_inf":
+        if case == "plus_inf":  # becomes z_max: caught by the band's best value, NaN
             bias[[17, 3]] = float("inf")
-        else:  # no +Inf, which alone would take the largest z's place
+        else:  # below z_max: caught only by the finiteness test
             bias[[30, 9]] = torch.tensor([float("nan"), -float("inf")], dtype=dtype)
+    elif case == "with_bias":  # the band and z_max are of z + bias
+        z = torch.randn(rows, columns, generator=generator, dtype=dtype)
+        bias = torch.randn(columns, generator=generator, dtype=dtype) * 2
     else:
         assert case == "randn"
         z = torch.randn(rows, columns, generator=generator, dtype=dtype)
-    assert bool((z != 0).all())  # an identity GEMM reproduces z bit for bit, signed zeros aside
+    # An identity GEMM reproduces z bit for bit: every other term is +-0 (so no z may be 0, whose
+    # sign the sum could change, and no z may be infinite: Inf x 0 is NaN).
+    assert bool((z != 0).all() and z.isfinite().all())
     return z, bias, scale
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "case",
-    ["randn", "ulp_ties", "near_smallest", "subnormal_z", "overflow", "underflow",
+    ["randn", "with_bias", "ulp_ties", "near_smallest", "subnormal_z", "overflow", "underflow",
      "negative_scale", "all_negative", "nan_and_minus_inf", "plus_inf"],
 )
 def test_cpu_forward_takes_the_first_best_of_every_columns_own_value(case, dtype):
     # With an identity weight z = x exactly, so each column's own value is the forward of that
     # column alone; the row's answer must be torch.max's rule over all of them, bit for bit,
-    # whichever columns the CPU kernel evaluated.
+    # whichever columns the CPU kernel evaluated. (The values come from the kernel's own GELU:
+    # this checks the selection; the GELU is checked against float64 elsewhere.)
     rows, columns = 64, 80
     z, bias, scale = _preactivations_around_the_band(
         case, dtype, rows, columns, torch.Generator().manual_seed(columns))

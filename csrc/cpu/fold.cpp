@@ -13,6 +13,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 
 namespace fused_pool_gelu {
@@ -98,7 +99,7 @@ void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t
       const int64_t n = o / k;
       if (n >= pooled) {
         std::fill(out, out + cols, scalar_t(0));
-      } else if (o == n * k || o == begin) {
+      } else if (o % k == 0 || o == begin) {
         const scalar_t* row = src + n * src_stride;
         for (int64_t c = 0; c < cols; ++c) out[c] = row[c] / static_cast<scalar_t>(k);
       } else {

@@ -1,9 +1,9 @@
 // CPU forward: out[b] = max_n scale * gelu(x[b] . pooled_weight[n] + pooled_bias[n]).
 //
 // The GEMM goes through ATen (BLAS): it is the fastest correct CPU matmul we have. It runs over
-// blocks of rows so the [rows, N] product stays a cache-sized scratch tile instead of a [B, N]
-// tensor, and one fused pass over each tile does bias + GELU + scale + max + arg-max, evaluating
-// the GELU (a scalar erf) only for the columns that can win (best_column_of_row).
+// blocks of rows so the [rows, N] product is a bounded scratch (rows_per_block) instead of a
+// [B, N] tensor, and one fused pass over each block does bias + GELU + scale + max + arg-max,
+// evaluating the GELU (a scalar erf) only for the columns that can win (best_column_of_row).
 #include "checks.h"
 #include "cpu/dtypes.h"
 #include "prepared_weight.h"
@@ -25,7 +25,8 @@ namespace fused_pool_gelu {
 namespace {
 
 // Rows per GEMM block: as many as keep the block's [rows, N] product within kProductBytes (the
-// CUDA forward's workspace bound), and at least kMinRowsPerBlock. Each block's GEMM reads the
+// CUDA forward's workspace bound, kMaxWorkspaceFloats in cuda/forward.cu), and at least
+// kMinRowsPerBlock. Each block's GEMM reads the
 // whole pooled weight again, which fewer blocks read fewer times: at K = 8192, N = 512, B = 1024
 // (16 MB of weight) one block of 1024 rows took 48 ms on two cores, four of 256 rows 56.
 constexpr int64_t kProductBytes = int64_t{16} << 20;
@@ -52,6 +53,12 @@ struct BestColumn {
   int64_t index;
 };
 
+// Column n's pre-activation: one expression wherever z is read, so that every pass sees its bits.
+template <typename scalar_t>
+scalar_t preactivation_of(const scalar_t* z_row, const scalar_t* bias, int64_t n) {
+  return z_row[n] + (bias ? bias[n] : scalar_t(0));
+}
+
 // torch.max's rule over activation(z_n, scale) for the columns n whose z_n `admit` accepts, in
 // column order: the first maximum wins ties, and the first NaN beats everything.
 template <typename scalar_t, typename Admit>
@@ -59,7 +66,7 @@ BestColumn<scalar_t> best_admitted_column(const scalar_t* z_row, const scalar_t*
                                           int64_t pooled, scalar_t scale, Admit admit) {
   BestColumn<scalar_t> best{scalar_t(0), scalar_t(0), -1};
   for (int64_t n = 0; n < pooled; ++n) {
-    const scalar_t z = z_row[n] + (bias ? bias[n] : scalar_t(0));
+    const scalar_t z = preactivation_of(z_row, bias, n);
     if (!admit(z)) continue;
     const scalar_t v = activation(z, scale);
     if (best.index < 0 || v > best.value || (std::isnan(v) && !std::isnan(best.value))) {
@@ -72,19 +79,22 @@ BestColumn<scalar_t> best_admitted_column(const scalar_t* z_row, const scalar_t*
 // The row's answer, with the same bits as activation() on every column followed by torch.max's
 // rule, but with the erf evaluated on a few columns only where that provably gives the answer.
 //
-// For 0 < z <= z' (1 - d): gelu(z) = z Phi(z) <= z Phi(z') <= (1 - d) gelu(z'), Phi increasing.
-// activation() computes gelu with relative error e of a few units in the last place (the erf's
-// argument, erf itself, 1 + erf and the product each round once; none cancels for z > 0), so
-// with d = kBand = 2^-10 >> 3e a column below the band [z_max (1 - d), z_max] has a computed
-// gelu below that of z_max's column, by a relative gap of more than d - 3e. Multiplying by scale
-// > 0 rounds monotonically, and while the products are normal numbers a gap that wide survives
-// the rounding strictly: such a column can neither beat nor tie the band's best. Columns with z
-// <= 0 give gelu <= 0 < gelu(z_max). So the band alone decides, when: scale is positive and
-// finite, every z is finite (else the first non-finite column's NaN wins), and z_max and the
-// band's best value are finite and far from the subnormals, `smallest` (where rounding is
-// absolute, 0.5 z of two subnormal z can be equal, and scale * gelu overflowing to Inf or
-// underflowing towards 0 makes columns outside the band tie with it). Otherwise, and for scale <=
-// 0 (the maximum of a decreasing function of gelu), every column is evaluated.
+// The band: z >= t, t = z_max (1 - d) rounded, d = kBand = 2^-10; z_max's column is in it. Take
+// a column below it (z < t) and any band column z' >= t, the band's winner in particular:
+// z < z' (1 - d + u), u the unit roundoff. For z > 0, gelu(z) = z Phi(z) <= z Phi(z') < (1 - d +
+// u) gelu(z'), Phi increasing. activation() computes gelu of a normal z > 0 with a relative error
+// e of a few u (the erf's argument, erf itself, 1 + erf in [1, 2] and the products round once
+// each; nothing cancels), and of a subnormal z with an absolute error of a few subnormal ulps, far
+// below d gelu(z') once z_max >= `smallest`. So the computed gelu of the column is below the
+// band winner's by a relative gap of more than d - u - 3e. Multiplying by scale > 0 rounds
+// monotonically, and when the winner's product is a normal number (checked: finite and >=
+// `smallest`) a gap that wide survives the rounding strictly: the column can neither beat nor tie
+// the winner. Columns with z <= 0 give gelu <= 0 < the winner's. So the band alone decides, when:
+// scale is positive and finite, every z is finite (else the first non-finite column's NaN wins),
+// z_max >= `smallest` (below it, 0.5 z of two neighbouring subnormals can be equal), and the
+// band's best value is finite and >= `smallest` (scale * gelu overflowing to Inf or underflowing
+// towards 0 makes columns outside the band tie with it). Otherwise, and for scale <= 0 (the
+// maximum of a decreasing function of gelu), every column is evaluated.
 template <typename scalar_t>
 BestColumn<scalar_t> best_column_of_row(const scalar_t* z_row, const scalar_t* bias,
                                         int64_t pooled, scalar_t scale) {
@@ -95,7 +105,7 @@ BestColumn<scalar_t> best_column_of_row(const scalar_t* z_row, const scalar_t* b
     scalar_t z_max = -std::numeric_limits<scalar_t>::infinity();
     bool finite = true;
     for (int64_t n = 0; n < pooled; ++n) {
-      const scalar_t z = z_row[n] + (bias ? bias[n] : scalar_t(0));
+      const scalar_t z = preactivation_of(z_row, bias, n);
       finite &= std::isfinite(z);
       z_max = z > z_max ? z : z_max;
     }
