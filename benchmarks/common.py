@@ -48,6 +48,7 @@ IMPL_ORDER = [
 PEERS = ("ref_eager", "ref_compile", "fold_eager", "fold_compile", "fold_tail")
 OURS = ("ours_op", "ours_model")
 COMPILED = ("ref_compile", "fold_compile")
+CUDA_ONLY = ("fold_tail",)  # left out of the default impls on the CPU
 MODES = ("forward", "train")
 
 DEFAULT_BATCHES = [1, 16, 128, 1024, 4096]
@@ -526,8 +527,9 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_SHAPE["dtype"])
     p.add_argument("--x-distribution", choices=X_DISTRIBUTIONS, default=DEFAULT_SHAPE["x"],
                    help="x ~ torch.rand (KernelBench's inputs) or torch.randn")
-    p.add_argument("--impls", nargs="+", choices=impl_choices, default=impl_choices,
-                   help="subset of impls to run")
+    p.add_argument("--impls", nargs="+", choices=impl_choices, default=None,
+                   help="subset of impls to run (default: all; on the CPU all but "
+                        + ", ".join(CUDA_ONLY) + ")")
     p.add_argument("--skip-compile", action="store_true",
                    help="leave out the torch.compile peers (" + ", ".join(COMPILED) + ")")
     p.add_argument("--compile-mode", default=None,
@@ -548,6 +550,9 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
                    help="results JSON to merge into (default: benchmarks/results/<gpu>.json)")
     p.add_argument("--no-save", action="store_true", help="print only, write no results file")
     args = p.parse_args(argv)
+    if args.impls is None:
+        on_cpu = resolve_device(args.device).type == "cpu"
+        args.impls = [i for i in impl_choices if not (on_cpu and i in CUDA_ONLY)]
     if args.skip_compile:
         args.impls = [i for i in args.impls if i not in COMPILED]
     return args

@@ -146,3 +146,11 @@ def test_pairs_past_the_deadline_are_written_as_skipped(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == 2
     assert all(r["median_us"] is None and r["error"].startswith(common.SKIPPED) for r in rows)
+
+
+def test_cuda_only_peers_are_left_out_of_a_cpu_runs_default_impls():
+    impls = _load("bench_forward").IMPLS
+    default = common.parse_args("forward", impls, 1.0, ["--device", "cpu"])
+    assert "fold_tail" not in default.impls and "ours_op" in default.impls
+    chosen = common.parse_args("forward", impls, 1.0, ["--device", "cpu", "--impls", "fold_tail"])
+    assert chosen.impls == ["fold_tail"]  # asked for by name: kept, and its row says why it fails
