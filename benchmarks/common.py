@@ -550,8 +550,9 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
                    help="results JSON to merge into (default: benchmarks/results/<gpu>.json)")
     p.add_argument("--no-save", action="store_true", help="print only, write no results file")
     args = p.parse_args(argv)
+    args.device = resolve_device(args.device)
     if args.impls is None:
-        on_cpu = resolve_device(args.device).type == "cpu"
+        on_cpu = args.device.type == "cpu"
         args.impls = [i for i in impl_choices if not (on_cpu and i in CUDA_ONLY)]
     if args.skip_compile:
         args.impls = [i for i in args.impls if i not in COMPILED]
@@ -663,7 +664,7 @@ def run_benchmark(
     import torch
 
     start = time.perf_counter()
-    device = resolve_device(args.device)
+    device = args.device  # resolved by parse_args
     import fused_pool_gelu
 
     info = fused_pool_gelu.build_info()

@@ -26,9 +26,9 @@ namespace {
 
 // Rows per GEMM block: as many as keep the block's [rows, N] product within kProductBytes (the
 // CUDA forward's workspace bound, kMaxWorkspaceFloats in cuda/forward.cu), and at least
-// kMinRowsPerBlock. Each block's GEMM reads the
-// whole pooled weight again, which fewer blocks read fewer times: at K = 8192, N = 512, B = 1024
-// (16 MB of weight) one block of 1024 rows took 48 ms on two cores, four of 256 rows 56.
+// kMinRowsPerBlock. Each block's GEMM reads the whole pooled weight again, which fewer blocks read
+// fewer times: at K = 8192, N = 512, B = 1024 (16 MB of weight) one block of 1024 rows took 48 ms
+// on two cores, four of 256 rows 56.
 constexpr int64_t kProductBytes = int64_t{16} << 20;
 constexpr int64_t kMinRowsPerBlock = 256;
 
