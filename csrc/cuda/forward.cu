@@ -372,27 +372,40 @@ void for_each_row_epilogue(F&& f) {
 // Host side.
 // ------------------------------------------------------------------------------------------------
 
-// Calls f(std::integral_constant<int, kValues[i]>) for each i: one instance per listed value.
+// Kernel families compiled for a list of sizes (kValues: ascending, distinct), one instance per
+// value. for_each_value calls f(std::integral_constant<int, kValues[i]>) for each i.
 template <const auto& kValues, typename F, size_t... kIndices>
 void for_each_value(F&& f, std::index_sequence<kIndices...>) {
   (f(std::integral_constant<int, kValues[kIndices]>{}), ...);
+}
+template <const auto& kValues, typename F>
+void for_each_value(F&& f) {
+  for_each_value<kValues>(f, std::make_index_sequence<std::size(kValues)>{});
+}
+
+// Calls f(std::integral_constant<int, kValues[i]>) (the values are distinct: one call).
+template <const auto& kValues, typename F>
+void dispatch_value(int i, F&& f) {
+  TORCH_CHECK(0 <= i && i < static_cast<int>(std::size(kValues)),
+              "fused_pool_gelu.forward: internal error: instance index ", i);
+  for_each_value<kValues>([&](auto value) {
+    if (decltype(value)::value == kValues[i]) f(value);
+  });
+}
+
+// The index of the smallest of kValues at or above v (the instance that holds v rows), or of the
+// largest where none is.
+template <const auto& kValues>
+int smallest_at_or_above(int64_t v) {
+  for (int i = 0; i < static_cast<int>(std::size(kValues)); ++i) {
+    if (kValues[i] >= v) return i;
+  }
+  return static_cast<int>(std::size(kValues)) - 1;
 }
 
 constexpr int kSimtBatchTiles[] = {1, 2, 4, 8, 16};
 constexpr int kNumSimtBatchTiles = static_cast<int>(std::size(kSimtBatchTiles));
 static_assert(kSimtBatchTiles[kNumSimtBatchTiles - 1] == fg::kSimtMaxBatchTile, "batch tiles");
-
-// Calls f(std::integral_constant<int, kSimtBatchTiles[i]>) (the tiles are distinct: one call).
-template <typename F>
-void dispatch_simt_batch_tile(int i, F&& f) {
-  TORCH_CHECK(0 <= i && i < kNumSimtBatchTiles,
-              "fused_pool_gelu.forward: internal error: batch tile index ", i);
-  for_each_value<kSimtBatchTiles>(
-      [&](auto tile) {
-        if (decltype(tile)::value == kSimtBatchTiles[i]) f(tile);
-      },
-      std::make_index_sequence<kNumSimtBatchTiles>{});
-}
 
 template <typename Kernel>
 void set_max_dynamic_smem(Kernel kernel, int bytes) {
@@ -405,11 +418,6 @@ void set_max_dynamic_smem(Kernel kernel, int bytes) {
 constexpr int kRowwiseBatches[] = {1, 2, 4};
 static_assert(kRowwiseBatches[std::size(kRowwiseBatches) - 1] == fg::kRowwiseMaxBatch,
               "the largest serves every batch");
-
-template <typename F>
-void for_each_rowwise_batch(F&& f) {
-  for_each_value<kRowwiseBatches>(f, std::make_index_sequence<std::size(kRowwiseBatches)>{});
-}
 
 template <typename Kernel>
 int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
@@ -482,7 +490,7 @@ const DeviceInfo& device_info(int device) {
     int max_smem_optin = 0;
     C10_CUDA_CHECK(
         cudaDeviceGetAttribute(&max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    for_each_rowwise_batch([&](auto batch) {
+    for_each_value<kRowwiseBatches>([&](auto batch) {
       constexpr int kBatch = decltype(batch)::value;
       constexpr int kSmem = fg::rowwise_smem_bytes(kBatch);
       TORCH_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the row-parallel GEMV needs ",
@@ -490,7 +498,7 @@ const DeviceInfo& device_info(int device) {
       set_max_dynamic_smem(fg::rowwise_gemv_kernel<kBatch>, kSmem);
     });
     for (int i = 0; i < kNumSimtBatchTiles; ++i) {
-      dispatch_simt_batch_tile(i, [&](auto tile) {
+      dispatch_value<kSimtBatchTiles>(i, [&](auto tile) {
         constexpr int kTile = decltype(tile)::value;
         constexpr int kSmem = fg::simt_smem_bytes<kTile>();
         TORCH_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the GEMV kernel needs ",
@@ -606,13 +614,7 @@ struct SimtPlan {
 SimtPlan plan_simt(const DeviceInfo& info, int64_t batch, int64_t n, int64_t k_padded,
                    int64_t split_cap) {
   SimtPlan plan{};
-  plan.tile_index = kNumSimtBatchTiles - 1;
-  for (int i = 0; i < kNumSimtBatchTiles; ++i) {
-    if (kSimtBatchTiles[i] >= batch) {
-      plan.tile_index = i;
-      break;
-    }
-  }
+  plan.tile_index = smallest_at_or_above<kSimtBatchTiles>(batch);
   plan.batch_tile = kSimtBatchTiles[plan.tile_index];
   const int64_t n_tiles = ceil_div(n, int64_t{fg::kSimtRowsPerCta});
   const int64_t b_tiles = ceil_div(batch, int64_t{plan.batch_tile});
@@ -713,7 +715,7 @@ void launch_simt(const SimtPlan& plan, const Operand& x, const Operand& w, float
   // Batch tiles go on grid z (at most 65535): larger batches (only on devices without the
   // tensor-core kernel) are launched in slices of rows.
   const int64_t rows_per_launch = kMaxGridYZ * plan.batch_tile;
-  dispatch_simt_batch_tile(plan.tile_index, [&](auto tile) {
+  dispatch_value<kSimtBatchTiles>(plan.tile_index, [&](auto tile) {
     constexpr int kTile = decltype(tile)::value;
     for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
       const fg::GemmParams p = gemm_params(x, w, partial, batch, n, k_padded,
@@ -752,20 +754,13 @@ void launch_rowwise(const Operand& x, const Operand& w, float* dot_products, int
                     int64_t n, int64_t k_padded, cudaStream_t stream) {
   const unsigned ctas = grid_blocks(n, fg::kRowwiseRows, "weight rows");
   const fg::GemmParams p = gemm_params(x, w, dot_products, batch, n, k_padded, k_padded, 0, batch);
-  auto launch = [&](auto batch_tile) {
-    constexpr int kBatch = decltype(batch_tile)::value;
+  TORCH_CHECK(batch <= fg::kRowwiseMaxBatch,
+              "fused_pool_gelu.forward: internal error: no row-parallel GEMV for ", batch, " rows");
+  dispatch_value<kRowwiseBatches>(smallest_at_or_above<kRowwiseBatches>(batch), [&](auto rows) {
+    constexpr int kBatch = decltype(rows)::value;
     fg::rowwise_gemv_kernel<kBatch><<<ctas, fg::kRowwiseThreads,
                                       fg::rowwise_smem_bytes(kBatch), stream>>>(p);
-  };
-  bool launched = false;  // the smallest instance that holds the batch
-  for_each_rowwise_batch([&](auto batch_tile) {
-    if (!launched && batch <= decltype(batch_tile)::value) {
-      launch(batch_tile);
-      launched = true;
-    }
   });
-  TORCH_CHECK(launched, "fused_pool_gelu.forward: internal error: no row-parallel GEMV for ",
-              batch, " rows");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
