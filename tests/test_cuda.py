@@ -588,6 +588,74 @@ def test_half_types_backward_matches_float32_at_the_chosen_argmax(dtype, make_in
         torch.testing.assert_close(ours.grad.double(), ref.grad, atol=tol, rtol=tol)
 
 
+# The half path (float16 / bfloat16 operands): z from cuBLAS's GEMM with float32 accumulation
+# and a float32 result, then the epilogue. On values whose every partial sum is exact in float32,
+# any accumulation order gives the exact z, so the half path must give the float32 path's answer on
+# the same values, bit for bit, rounded once to the half type: a z rounded to the half type before
+# the GELU, a misplaced slice or bias, or another tie rule would all show.
+
+HALF_SHAPES = [  # (B, K, N)
+    pytest.param((1, 1, 4), id="B=1,K=1"),
+    pytest.param((5, 257, 3), id="K=257"),
+    pytest.param((7, 64, 1), id="N=1"),
+    pytest.param((300, 96, 20), id="B=300"),
+    pytest.param((1024, 4096, 512), id="B=1024"),
+    # B x N above the workspace's 2^22 floats: two slices of rows.
+    pytest.param((8200, 16, 520), id="two-slices"),
+]
+
+
+def _exact_half_inputs(batch, in_features, pooled, dtype, bias=True):
+    """x = i / 8, weight = j / 16 (|i|, |j| <= 16) and bias = m / 128 (|m| <= 128): exact in
+    float16 and bfloat16, and every partial sum of up to 2^13 products is a multiple of 2^-7 below
+    2^16 in magnitude, exact in float32."""
+    assert in_features <= 2**13
+    x = torch.randint(-16, 17, (batch, in_features), device=DEVICE).to(dtype) / 8
+    weight = torch.randint(-16, 17, (pooled, in_features), device=DEVICE).to(dtype) / 16
+    b = torch.randint(-128, 129, (pooled,), device=DEVICE).to(dtype) / 128 if bias else None
+    return x, weight, b
+
+
+def _assert_half_equals_float32_path(x, weight, bias, scale):
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
+    as_float = [None if t is None else t.float() for t in (x, weight, bias)]
+    out32, argmax32, preactivation32 = ops.forward_with_argmax(*as_float, scale)
+    assert out.dtype == preactivation.dtype == x.dtype
+    assert torch.equal(argmax, argmax32)
+    assert torch.equal(out, out32.to(x.dtype))
+    assert torch.equal(preactivation, preactivation32.to(x.dtype))
+
+
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", HALF_SHAPES)
+def test_half_forward_is_the_float32_answer_rounded_once(shape, dtype, has_bias):
+    batch, in_features, pooled = shape
+    x, weight, bias = _exact_half_inputs(batch, in_features, pooled, dtype, has_bias)
+    _assert_half_equals_float32_path(x, weight, bias, 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_forward_on_non_contiguous_operands(dtype):
+    x, weight, bias = _exact_half_inputs(96, 2 * 300, 40, dtype)
+    x_strided = x[:, ::2]  # row stride 600, column stride 2
+    weight_t = weight[:, :300].t().contiguous().t()  # column-major
+    bias_strided = torch.stack([bias, bias], dim=1)[:, 0]
+    _assert_half_equals_float32_path(x_strided, weight_t, bias_strided, -1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_forward_with_non_finite_values_takes_the_first_nan_column(dtype, check_forward):
+    x, weight, bias = _exact_half_inputs(6, 64, 9, dtype)
+    x[1, 3] = float("nan")  # every column of row 1 NaN: index 0
+    x[2, 5] = float("-inf")  # row 2 non-finite in every column (0 x Inf is NaN as well)
+    weight[:4, 5] = 0  # ... and NaN in its first four: still index 0
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    assert bool(out[1:3].isnan().all()) and argmax[1:3].tolist() == [0, 0]
+    assert bool(out[[0, 3, 4, 5]].isfinite().all())
+
+
 def test_float64_is_rejected_on_cuda_with_the_supported_dtypes():
     x = torch.randn(4, 8, device=DEVICE, dtype=torch.float64)
     with pytest.raises(
@@ -601,9 +669,10 @@ def test_float64_is_rejected_on_cuda_with_the_supported_dtypes():
 
 
 @pytest.mark.graphs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("batch", [8, 1024])
-def test_cuda_graph_replay_of_the_op_equals_eager(batch, make_inputs, capture_graph):
-    x, weight, bias = make_inputs(batch, 2048, 128, torch.float32, DEVICE)
+def test_cuda_graph_replay_of_the_op_equals_eager(batch, dtype, make_inputs, capture_graph):
+    x, weight, bias = make_inputs(batch, 2048, 128, dtype, DEVICE)
     static_x = x.clone()
     graph, static_out = capture_graph(lambda: ops.forward_with_argmax(static_x, weight, bias, 2.0))
     for _ in range(3):
@@ -738,9 +807,11 @@ def test_forward_and_backward_are_bitwise_deterministic_run_to_run(deterministic
             assert torch.equal(a, b)
 
 
-def test_default_shape_forward_is_bitwise_deterministic(deterministic_algorithms):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_default_shape_forward_is_bitwise_deterministic(dtype, deterministic_algorithms):
     _, new = _models(8192, 8192, 16, 2.0, seed=0)
-    x = torch.rand(1024, 8192, device=DEVICE)
+    new = new.to(dtype)
+    x = torch.rand(1024, 8192, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         first = new(x)
         for _ in range(3):

@@ -24,12 +24,21 @@
 // once, certified_fused_rows): two to four launches,
 // the same results as the 3xTF32 path's to float32 rounding, with the same tie and NaN rules, and
 // the same bits with or without a prepared weight.
-// No float atomics and a fixed summation order: bitwise reproducible run to run. Allocation goes
-// through at::empty only and nothing synchronizes with the host, so the op is CUDA-graph
+// Float16 and bfloat16 operands take none of the GEMMs above: their products are exact in float32,
+// so z is cuBLAS's tensor-core GEMM with float32 accumulation and a float32 result (at::mm with
+// out_dtype: the GEMM nn.Linear runs on them, its result kept in float32 instead of rounded to the
+// half type before the GELU), which the epilogue reads as one split. Our kernels would first copy
+// both operands to float32 and then pay for float32-accurate products of values that need no
+// splitting (benchmarks/NOTES.md: 132 us at B = 1024 against 35 for PyTorch's bfloat16 Linear,
+// GELU and max).
+// No float atomics and a fixed summation order: bitwise reproducible run to run (the half path as
+// cuBLAS is: on one GPU model, with PyTorch's per-stream workspaces). Allocation goes through
+// PyTorch's allocator only and nothing synchronizes with the host, so the op is CUDA-graph
 // capturable.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -1300,10 +1309,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   TORCH_CHECK(k_padded <= kMaxInFeatures, "fused_pool_gelu.forward: in_features must be at most ",
               kMaxInFeatures, ", got ", k);
   // K == 0 needs no GEMM and no workspace (z = bias): one slice.
-  const Operand x_op = k > 0 ? as_kernel_operand(x, k_padded) : Operand{};
-  const Operand w_op = k > 0 ? as_kernel_operand(weight, k_padded) : Operand{};
-  if (k > 0 && use_certified(info, x, weight, prepared_weight.has_value(), batch, n, k_padded,
-                             scale)) {
+  const bool half_gemm = k > 0 && is_reduced_float(x);  // x and weight have one dtype (checked)
+  const Operand x_op = k > 0 && !half_gemm ? as_kernel_operand(x, k_padded) : Operand{};
+  const Operand w_op = k > 0 && !half_gemm ? as_kernel_operand(weight, k_padded) : Operand{};
+  if (k > 0 && !half_gemm &&
+      use_certified(info, x, weight, prepared_weight.has_value(), batch, n, k_padded, scale)) {
     const float* bias_data = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
     const float scale_f32 = static_cast<float>(scale);
     const uint8_t* prepared =
@@ -1323,7 +1333,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   for (int64_t row0 = 0; row0 < batch; row0 += slice_rows) {
     const int64_t rows = std::min(slice_rows, batch - row0);
     int64_t splits = 0;
-    if (k > 0) {
+    if (half_gemm) {
+      // Half-precision operands: z from cuBLAS's tensor-core GEMM in float32 (see the header).
+      workspace = at::mm(rows == batch ? x : x.narrow(0, row0, rows), weight.t(), at::kFloat);
+      splits = 1;
+    } else if (k > 0) {
       const Operand x_slice{x_op.storage, x_op.data + row0 * x_op.ld, x_op.ld};
       const GemmPlan plan = plan_gemm(info, rowwise, rows, n, k_padded, split_cap);
       splits = plan.splits;
@@ -1333,8 +1347,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
       }
       launch_gemm(plan, x_slice, w_op, workspace.data_ptr<float>(), rows, n, k_padded, stream);
     }
-    // The epilogue follows the GEMM as its programmatic dependent where the device supports it.
-    const bool pdl = info.dependent_launch && splits > 0;
+    // The epilogue follows our GEMMs as their programmatic dependent where the device supports it.
+    const bool pdl = info.dependent_launch && splits > 0 && !half_gemm;
     EpilogueParams p{};
     p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
     p.split_stride = rows * n;
