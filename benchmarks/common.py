@@ -247,7 +247,9 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
     # --- time
     header = ["B"] + [f"{i} (us)" for i in impls]
     if ours and peers:
-        header += ["best fp32 peer of the run (us)"] + [f"{i} speedup" for i in ours]
+        # In float32 the best peer is the best float32-accurate one (is_accurate).
+        accurate = "fp32 " if rows[0].get("dtype", "float32") == "float32" else ""
+        header += [f"best {accurate}peer of the run (us)"] + [f"{i} speedup" for i in ours]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "---|" * len(header))
     any_inexact = False

@@ -57,7 +57,9 @@ def markdown(data: dict, source: str) -> str:
         f"in the same run ({peers}; float32-accurate: ||out - ref64|| / ||ref64|| <= "
         f"{common.ACCURATE_REL_ERR:g}, every element allclose to the float32 Model's (atol = rtol "
         f"= {common.ALLCLOSE_TOL['float32']:g}) and, in training, each gradient's relative error "
-        f"<= {common.ACCURATE_REL_ERR:g}). nn.Linear default init."
+        f"<= {common.ACCURATE_REL_ERR:g}; in float16 and bfloat16 the allclose to the Model in "
+        f"that dtype alone, atol = rtol = {common.ALLCLOSE_TOL['bfloat16']:g}). nn.Linear default "
+        "init."
     )
     for config, config_rows in group_by_config(rows):
         lines.append("")

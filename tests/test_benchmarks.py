@@ -87,6 +87,18 @@ def test_speedups_compare_rows_of_one_run_only():
     assert "5.0*" in table
 
 
+def test_the_best_peer_is_float32_accurate_in_float32_only():
+    # In float32 a peer counts when it is float32-accurate, and the header says so; in a half
+    # dtype the allclose check alone decides, and a relative error of 1e-3 is no reason to drop it.
+    for dtype, header in (("float32", "best fp32 peer"), ("bfloat16", "best peer")):
+        rows = [_row("fold_eager", 1, 20.0, dtype=dtype, rel_err_fp64=1e-3),
+                _row("ours_op", 1, 10.0, dtype=dtype, rel_err_fp64=1e-3)]
+        table = common.markdown_tables(rows, "forward")
+        assert f"| {header} of the run (us) |" in table
+        assert ("| 1 | 20.0* | 10.0* | - | - |" if dtype == "float32"
+                else "| 1 | 20.0 | 10.0 | 20.0 (fold_eager) | 2.00x |") in table
+
+
 def test_a_skipped_pair_replaces_the_older_runs_row(tmp_path):
     path = tmp_path / "results.json"
     meta = {"run_id": "run-a"}
