@@ -226,8 +226,8 @@ def _metric_table(impls, batches, index, key, fmt):
 
 
 def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL_ERR) -> str:
-    """Time table (+ speedup of ours over the best float32-accurate peer), accuracy table and,
-    for training, peak memory. ``rows``: one mode, one shape (K, O, k, scale, dtype)."""
+    """Time table (+ speedup of ours over the best peer: float32-accurate in float32), accuracy
+    table and, for training, peak memory. ``rows``: one mode, one shape (K, O, k, scale, dtype)."""
     rows = [r for r in rows if r["mode"] == mode]
     if not rows:
         return ""

@@ -20,8 +20,9 @@
 #   initcheck: every kernel is instrumented (a kernel left out has its writes untracked, and the
 #     next kernel that reads them reports every element as uninitialized: measured with
 #     --kernel-name-exclude).
-#   racecheck and initcheck leave out the float16 / bfloat16 forward (sanitize_case.py's and the
-#     half-type tests): its z comes from cuBLAS's tensor-core GEMM, whose writes initcheck does not
+#   racecheck and initcheck leave out the float16 / bfloat16 forward (in sanitize_case.py, whose
+#     half-type fold and backward run under them, and the half-type tests, each of which runs the
+#     half forward): its z comes from cuBLAS's tensor-core GEMM, whose writes initcheck does not
 #     see (our epilogue's every read of z reported uninitialized, 2026-12-01; the same for PyTorch's
 #     avg_pool2d after a cuBLAS half GEMM in the half reference Model, 2026-11-29), and racecheck
 #     aborts on it ("The Sanitizer failed to handle a hardware exception", 2026-12-01 in the half

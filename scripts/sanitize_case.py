@@ -11,7 +11,8 @@ where N % 4 == 0, one value at a time elsewhere) and the selection's two kernels
 columns per thread where N % 4 == 0 and B <= 8 x SMs, one column elsewhere) all run, and with
 the certified path forced, its fused rows (33 <= B <= SMs: one CTA per row selects and rescores).
 The float16 and bfloat16 forward (cuBLAS's GEMM, then the epilogue) runs on every case except
-under racecheck and initcheck (SANITIZE_TOOL, set by sanitize.sh).
+under racecheck and initcheck (SANITIZE_TOOL, set by sanitize.sh), where the half types run the
+fold alone; the backward ops run in every dtype under every tool.
 """
 
 import os
@@ -22,13 +23,11 @@ import fused_pool_gelu as fpg
 
 torch.manual_seed(0)
 device = "cuda"
+ops = torch.ops.fused_pool_gelu
+half_types = (torch.bfloat16, torch.float16)
 # The half-type forward's z comes from cuBLAS, which racecheck and initcheck cannot follow
-# (scripts/sanitize.sh): those two leave it out.
-half_dtypes = (
-    ()
-    if os.environ.get("SANITIZE_TOOL") in ("racecheck", "initcheck")
-    else (torch.bfloat16, torch.float16)
-)
+# (scripts/sanitize.sh): under those two the half types run their fold and backward kernels only.
+half_forward = os.environ.get("SANITIZE_TOOL") not in ("racecheck", "initcheck")
 cases = [  # (batch, in_features, out_features, pool_kernel_size)
     (1, 257, 96, 16),      # small batch, K % 4 != 0 (padded slow path), O % k == 0
     (3, 64, 50, 7),        # O % k != 0: tail rows dropped
@@ -60,19 +59,23 @@ for switches, (batch, k_in, o, k) in [(p, c) for p in paths for c in cases]:
     with torch.no_grad():
         misaligned = torch.rand(batch, k_in + 1, device=device)[:, 1:]
         model(misaligned)
-    for dtype in half_dtypes:
+    for dtype in half_types:
         with torch.no_grad():
-            model.to(dtype)(x.detach().to(dtype))
+            half = model.to(dtype)
+            if half_forward:
+                half(x.detach().to(dtype))
+            else:
+                ops.fold(half.matmul.weight, half.matmul.bias, k)
         model.float()
 # The backward ops on their own: forward_backward (empty groups zeroed) and model_backward, over
 # more rows than the grouping's one-tile path takes (4096) and over fewer, some rows with an
-# arg-max out of range (in no group).
-ops = torch.ops.fused_pool_gelu
-for batch in (4500, 1000):
-    x = torch.rand(batch, 40, device=device)
-    pooled_weight = torch.rand(24, 40, device=device)
+# arg-max out of range (in no group), in every dtype.
+for dtype, batch in [(d, b) for d in (torch.float32,) + half_types for b in (4500, 1000)]:
+    x = torch.rand(batch, 40, device=device, dtype=dtype)
+    pooled_weight = torch.rand(24, 40, device=device, dtype=dtype)
     argmax = torch.randint(-1, 25, (batch,), device=device)
-    grad_out, preactivation = torch.rand(batch, device=device), torch.rand(batch, device=device)
+    grad_out = torch.rand(batch, device=device, dtype=dtype)
+    preactivation = torch.rand(batch, device=device, dtype=dtype)
     ops.forward_backward(grad_out, None, x, pooled_weight, argmax, preactivation, 2.0)
     ops.model_backward(grad_out, x, pooled_weight, argmax, preactivation, 2.0, 99, 4)
 torch.cuda.synchronize()

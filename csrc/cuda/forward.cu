@@ -24,10 +24,11 @@
 // once, certified_fused_rows): two to four launches,
 // the same results as the 3xTF32 path's to float32 rounding, with the same tie and NaN rules, and
 // the same bits with or without a prepared weight.
-// Float16 and bfloat16 operands take none of the GEMMs above: their products are exact in float32,
-// so z is cuBLAS's tensor-core GEMM with float32 accumulation and a float32 result (at::mm with
-// out_dtype: the GEMM nn.Linear runs on them, its result kept in float32 instead of rounded to the
-// half type before the GELU), which the epilogue reads as one split. Our kernels would first copy
+// Float16 and bfloat16 operands take none of the GEMMs above: the products of their significands
+// fit float32's 24 bits, so z is cuBLAS's tensor-core GEMM with float32 accumulation and a float32
+// result (at::mm with out_dtype, PyTorch 2.8 on: the GEMM nn.Linear runs on them, its result kept
+// in float32 instead of rounded to the half type before the GELU), which the epilogue reads as one
+// split. Our kernels would first copy
 // both operands to float32 and then pay for float32-accurate products of values that need no
 // splitting (benchmarks/NOTES.md: 132 us at B = 1024 against 35 for PyTorch's bfloat16 Linear,
 // GELU and max).
@@ -579,10 +580,10 @@ bool has_kernel_layout(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
-// float16 / bfloat16 inputs take the simplest correct route: they are upcast here to float32,
-// run the float32 kernels, and the epilogue casts out / preactivation back to the input dtype.
-// Other strides, K not a multiple of 4 and misaligned data are copied once into a contiguous
-// buffer whose K is zero-padded to a multiple of 4 (zeros do not change the dot products).
+// A float32 copy is made once here for a float16 / bfloat16 tensor (prepare_weight takes any
+// floating weight; the forward's half operands go to cuBLAS instead), other strides, K not a
+// multiple of 4 and misaligned data: contiguous, with K zero-padded to a multiple of 4 (zeros do
+// not change the dot products).
 Operand as_kernel_operand(const at::Tensor& t, int64_t k_padded) {
   if (has_kernel_layout(t)) {
     return Operand{t, t.const_data_ptr<float>(), t.size(0) > 1 ? t.stride(0) : k_padded};
@@ -1301,7 +1302,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DeviceInfo& info = device_info(x.get_device());
 
-  at::Tensor bias_f32;  // float32 and contiguous (see as_kernel_operand for half / bfloat16)
+  at::Tensor bias_f32;  // float32 and contiguous, as the epilogue and the certified path read it
   if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
 
   const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
@@ -1348,6 +1349,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
       launch_gemm(plan, x_slice, w_op, workspace.data_ptr<float>(), rows, n, k_padded, stream);
     }
     // The epilogue follows our GEMMs as their programmatic dependent where the device supports it.
+    // Not cuBLAS's: whether its kernels let a dependent start early is theirs, and unmeasured.
     const bool pdl = info.dependent_launch && splits > 0 && !half_gemm;
     EpilogueParams p{};
     p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
