@@ -542,10 +542,11 @@ def test_more_than_2_to_the_31_elements_in_x(ref):
 # Half types
 
 
+HALF_DTYPES = [torch.bfloat16, torch.float16]
 HALF_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_half_types_match_the_model_run_in_that_dtype(dtype):
     model, _ = _models(2048, 2048, 16, 2.0, seed=3)
     model = model.to(dtype)
@@ -559,7 +560,7 @@ def test_half_types_match_the_model_run_in_that_dtype(dtype):
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_half_types_match_a_float32_reference_on_the_same_values(dtype):
     model, _ = _models(2048, 2048, 16, 2.0, seed=4)
     model = model.to(dtype)
@@ -572,7 +573,7 @@ def test_half_types_match_a_float32_reference_on_the_same_values(dtype):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_half_types_backward_matches_float32_at_the_chosen_argmax(dtype, make_inputs):
     x, weight, bias = (t.to(dtype) for t in make_inputs(256, 1024, 64, torch.float32, DEVICE))
     leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
@@ -628,7 +629,7 @@ def _assert_half_equals_float32_path(x, weight, bias, scale):
 
 
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", HALF_SHAPES)
 def test_half_forward_is_the_float32_answer_rounded_once(shape, dtype, has_bias):
     batch, in_features, pooled = shape
@@ -638,7 +639,7 @@ def test_half_forward_is_the_float32_answer_rounded_once(shape, dtype, has_bias)
     _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_half_forward_on_non_contiguous_operands(dtype):
     x, weight, bias = _exact_half_inputs(96, 2 * 300, 40, dtype)
     x_strided = x[:, ::2]  # row stride 600, column stride 2
@@ -647,7 +648,7 @@ def test_half_forward_on_non_contiguous_operands(dtype):
     _assert_half_equals_float32_path(x_strided, weight_t, bias_strided, -1.5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_half_forward_with_non_finite_values_takes_the_first_nan_column(dtype, check_forward):
     x, weight, bias = _exact_half_inputs(6, 64, 9, dtype)
     x[1, 3] = float("nan")  # every column of row 1 NaN: index 0

@@ -28,10 +28,9 @@
 // fit float32's 24 bits, so z is cuBLAS's tensor-core GEMM with float32 accumulation and a float32
 // result (at::mm with out_dtype, PyTorch 2.8 on: the GEMM nn.Linear runs on them, its result kept
 // in float32 instead of rounded to the half type before the GELU), which the epilogue reads as one
-// split. Our kernels would first copy
-// both operands to float32 and then pay for float32-accurate products of values that need no
-// splitting (benchmarks/NOTES.md: 132 us at B = 1024 against 35 for PyTorch's bfloat16 Linear,
-// GELU and max).
+// split. Our kernels would first copy both operands to float32 and then pay for float32-accurate
+// products of values that need no splitting (benchmarks/NOTES.md: 132 us at B = 1024 against 35 for
+// PyTorch's bfloat16 Linear, GELU and max).
 // No float atomics and a fixed summation order: bitwise reproducible run to run (the half path as
 // cuBLAS is: on one GPU model, with PyTorch's per-stream workspaces). Allocation goes through
 // PyTorch's allocator only and nothing synchronizes with the host, so the op is CUDA-graph
