@@ -230,9 +230,13 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
 // partials of one row is spread over many threads; a warp per row once B alone fills the GPU
-// (8192 rows = 8192 warps, ~62 per SM on 132 SMs).
+// (8192 rows = 8192 warps, ~62 per SM on 132 SMs), or from kEpilogueOneSplitWarpPerRowMinBatch
+// rows where there is one split (the half path's cuBLAS z): there a row is N loads, 8 in flight
+// per lane, and a CTA per row made 4096 rows four waves of CTAs of one load, one barrier and one
+// store each (16.1 us at N = 512 on the H200, against the 8 MB's ~3 us).
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
+constexpr int64_t kEpilogueOneSplitWarpPerRowMinBatch = 512;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
 // thread's GELUs over N / 256 columns make a chain of dependent steps that 8 warps per SM cannot
 // hide, and a small batch leaves most SMs idle. 1024 threads allow at most 64 registers, which
@@ -293,7 +297,7 @@ struct EpilogueParams {
   const float* partial;  // [splits, batch, n] (nullptr when splits == 0, i.e. K == 0)
   int64_t split_stride;  // batch * n
   int splits;
-  const float* bias;     // [n] or nullptr
+  const void* bias;      // [n] in the output's dtype (x's), contiguous, or nullptr
   float scale;
   int64_t batch;
   int64_t n;
@@ -319,23 +323,57 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
   Candidate best{-INFINITY, p.n, 0.f};
   if (row < p.batch) {
     const float* row_partial = p.partial + row * p.n;
-    // Two outputs' loads in flight per thread, but one at the bound of 64 (two spilled at 255
-    // registers).
-    constexpr int kColumnUnroll = kSplitBound >= 64 ? 1 : 2;
-#pragma unroll kColumnUnroll
-    for (int64_t col = col0; col < p.n; col += kThreadsPerRow) {
-      float z;
-      if constexpr (kSplitBound > 0) {
-        z = sum_few_splits<kSplitBound>(row_partial + col, static_cast<int>(p.split_stride),
-                                        p.splits);
+    const out_t* bias = static_cast<const out_t*>(p.bias);
+    auto bias_at = [&](int64_t col) {
+      if constexpr (std::is_same_v<out_t, float>) {
+        return __ldg(bias + col);
       } else {
-        z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
+        return static_cast<float>(bias[col]);  // exact: a half type widened
       }
-      if (p.bias != nullptr) z += __ldg(p.bias + col);
-      // torch's order: gelu(z) first, then the product with scale. A non-finite pre-activation
-      // gives NaN, as in the CPU kernel (README "Non-finite values").
+    };
+    // Column col's value from its z (split sum plus bias): torch's order, gelu(z) first, then the
+    // product with scale. A non-finite pre-activation gives NaN, as in the CPU kernel (README
+    // "Non-finite values").
+    auto consider = [&](int64_t col, float z) {
       const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
       if (beats(v, col, best.value, best.index)) best = Candidate{v, col, z};
+    };
+    if constexpr (kSplitBound == 1 && kThreadsPerRow == 32) {
+      // A warp's row of one split: kLoads columns' loads (z and bias) issued before their GELUs,
+      // whose erf branches keep the compiler from hoisting loads across an unrolled loop's
+      // columns.
+      constexpr int kLoads = 8;
+      for (int64_t base = col0; base < p.n; base += kLoads * kThreadsPerRow) {
+        float z[kLoads];
+        float b[kLoads];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int64_t col = base + u * kThreadsPerRow;
+          z[u] = col < p.n ? __ldg(row_partial + col) : 0.f;
+          b[u] = col < p.n && p.bias != nullptr ? bias_at(col) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int64_t col = base + u * kThreadsPerRow;
+          if (col < p.n) consider(col, p.bias != nullptr ? z[u] + b[u] : z[u]);
+        }
+      }
+    } else {
+      // Two outputs' loads in flight per thread, but one at the bound of 64 (two spilled at 255
+      // registers).
+      constexpr int kColumnUnroll = kSplitBound >= 64 ? 1 : 2;
+#pragma unroll kColumnUnroll
+      for (int64_t col = col0; col < p.n; col += kThreadsPerRow) {
+        float z;
+        if constexpr (kSplitBound > 0) {
+          z = sum_few_splits<kSplitBound>(row_partial + col, static_cast<int>(p.split_stride),
+                                          p.splits);
+        } else {
+          z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
+        }
+        if (p.bias != nullptr) z += bias_at(col);
+        consider(col, z);
+      }
     }
   }
   best = warp_argmax(best);
@@ -1269,7 +1307,8 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
           p.splits, [&](auto split_bound) { launch(threads_per_row, split_bound); });
     }
   };
-  if (p.batch >= kEpilogueWarpPerRowMinBatch) {
+  if (p.batch >= kEpilogueWarpPerRowMinBatch ||
+      (p.splits == 1 && p.batch >= kEpilogueOneSplitWarpPerRowMinBatch)) {
     with_split_bound(std::integral_constant<int, 32>{});
   } else if (p.n >= kEpilogueWideRowMinColumns && p.splits >= 1 &&
              p.splits <= kEpilogueWideRowMaxSplitBound) {
@@ -1301,8 +1340,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const DeviceInfo& info = device_info(x.get_device());
 
-  at::Tensor bias_f32;  // float32 and contiguous, as the epilogue and the certified path read it
-  if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
+  // Contiguous, in x's dtype: the epilogue widens a half-type bias itself (a conversion kernel
+  // before it cost 3.2 us per call on the H200), and the certified path takes float32 x only.
+  at::Tensor bias_contiguous;
+  if (bias.has_value()) bias_contiguous = bias->contiguous();
 
   const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
   // The GEMV kernel indexes inside a row with ints (fewer registers in its hot loop).
@@ -1314,7 +1355,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   const Operand w_op = k > 0 && !half_gemm ? as_kernel_operand(weight, k_padded) : Operand{};
   if (k > 0 && !half_gemm &&
       use_certified(info, x, weight, prepared_weight.has_value(), batch, n, k_padded, scale)) {
-    const float* bias_data = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
+    const float* bias_data =
+        bias_contiguous.defined() ? bias_contiguous.const_data_ptr<float>() : nullptr;
     const float scale_f32 = static_cast<float>(scale);
     const uint8_t* prepared =
         prepared_weight.has_value() ? prepared_weight->const_data_ptr<uint8_t>() : nullptr;
@@ -1354,7 +1396,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
     p.split_stride = rows * n;
     p.splits = static_cast<int>(splits);
-    p.bias = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
+    // The epilogue reads the bias as its output type, x's: the same dtype (check_forward_inputs).
+    TORCH_INTERNAL_ASSERT(!bias_contiguous.defined() ||
+                          bias_contiguous.scalar_type() == x.scalar_type());
+    p.bias = bias_contiguous.defined() ? bias_contiguous.const_data_ptr() : nullptr;
     p.scale = static_cast<float>(scale);  // torch multiplies a float32 tensor by a float32 scalar
     p.batch = rows;
     p.n = n;
