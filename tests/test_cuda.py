@@ -604,10 +604,12 @@ HALF_SHAPES = [  # (B, K, N)
     pytest.param((1024, 4096, 512), id="B=1024"),
     # B x N above the workspace's 2^22 floats: two slices of rows.
     pytest.param((8200, 16, 520), id="two-slices"),
-    # From 512 rows a warp per row reads the one split, 8 columns per lane at a time: N below
-    # one step of them, and a step and a tail.
+    # One split over many rows: a CTA per row within one wave of them (1056 rows on an H200), a
+    # warp per row beyond, 8 columns per lane at a time: N below one step of them, and a step
+    # and a tail.
     pytest.param((600, 40, 7), id="B=600,N=7"),
-    pytest.param((700, 8, 300), id="B=700,N=300"),
+    pytest.param((2000, 40, 7), id="B=2000,N=7"),
+    pytest.param((2000, 8, 300), id="B=2000,N=300"),
 ]
 
 
@@ -643,11 +645,11 @@ def test_half_forward_is_the_float32_answer_rounded_once(shape, dtype, has_bias)
     _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
 
-@pytest.mark.parametrize("shape", [(600, 32, 7), (1000, 24, 300), (4096, 96, 512)])
+@pytest.mark.parametrize("shape", [(600, 32, 7), (2000, 24, 300), (4096, 96, 512)])
 def test_one_split_epilogue_over_many_rows_matches_float64(shape, make_inputs, check_forward):
-    # float32 shapes whose GEMM takes one split from 512 rows on (K within one 32-wide K tile, or
-    # one wgmma CTA per SM): the warp-per-row epilogue that the half path uses, here on the
-    # float32 path's partials.
+    # float32 shapes whose GEMM takes one split (K within one 32-wide K tile, or one wgmma CTA
+    # per SM): the one-split epilogues that the half path uses, a CTA per row within one wave of
+    # them and a warp per row beyond, here on the float32 path's partials.
     batch, in_features, pooled = shape
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     check_forward(*ops.forward_with_argmax(x, weight, bias, 2.0), x, weight, bias, 2.0)

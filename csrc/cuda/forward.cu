@@ -230,13 +230,15 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
 // partials of one row is spread over many threads; a warp per row once B alone fills the GPU
-// (8192 rows = 8192 warps, ~62 per SM on 132 SMs), or from kEpilogueOneSplitWarpPerRowMinBatch
-// rows where there is one split (the half path's cuBLAS z): there a row is N loads, 8 in flight
-// per lane, and a CTA per row made 4096 rows four waves of CTAs of one load, one barrier and one
-// store each (16.1 us at N = 512 on the H200, against the 8 MB's ~3 us).
+// (8192 rows = 8192 warps, ~62 per SM on 132 SMs), or, where there is one split (the half path's
+// cuBLAS z), once the rows outnumber one wave of the CTA-per-row kernel (DeviceInfo::
+// epilogue_one_split_ctas_per_sm per SM). Within one wave every row's loads are in flight at
+// once; beyond it each wave of one load, one barrier and one store per CTA adds ~4 us, while a
+// warp per row keeps 8 loads in flight per lane in two rounds at N = 512. On the H200, bfloat16,
+// N = 512 (NOTES, 2026-12-01): CTA per row 3.5 / 4.8 us at 512 / 1024 rows (one wave: 1056) and
+// 16.1 at 4096 (four); warp per row 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096.
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
-constexpr int64_t kEpilogueOneSplitWarpPerRowMinBatch = 512;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
 // thread's GELUs over N / 256 columns make a chain of dependent steps that 8 warps per SM cannot
 // hide, and a small batch leaves most SMs idle. 1024 threads allow at most 64 registers, which
@@ -493,6 +495,9 @@ struct DeviceInfo {
   // to one CTA.
   int smem_per_sm = 0;
   int spread_smem_max = 0;
+  // Resident CTAs per SM of the CTA-per-row epilogue for one split (the float32-output instance;
+  // the half-type ones differ only in the bias load's width).
+  int epilogue_one_split_ctas_per_sm = 0;
 };
 
 // The dynamic shared memory for a programmatic dependent of `ctas` CTAs that need `needed` bytes
@@ -568,6 +573,8 @@ const DeviceInfo& device_info(int device) {
       info->tc_ctas_per_sm =
           resident_ctas_per_sm(fg::tf32x3_splitk_kernel, fg::kTcThreads, fg::kTcSmemBytes);
     }
+    info->epilogue_one_split_ctas_per_sm = resident_ctas_per_sm(
+        argmax_epilogue_kernel<kEpilogueThreads, 1, float>, kEpilogueThreads, 0);
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info->smem_per_sm,
                                           cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
     if (info->smem_per_sm / 2 + 1 <= max_smem_optin) {
@@ -1307,8 +1314,8 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
           p.splits, [&](auto split_bound) { launch(threads_per_row, split_bound); });
     }
   };
-  if (p.batch >= kEpilogueWarpPerRowMinBatch ||
-      (p.splits == 1 && p.batch >= kEpilogueOneSplitWarpPerRowMinBatch)) {
+  const int64_t one_wave_rows = int64_t{info.sms} * info.epilogue_one_split_ctas_per_sm;
+  if (p.batch >= kEpilogueWarpPerRowMinBatch || (p.splits == 1 && p.batch > one_wave_rows)) {
     with_split_bound(std::integral_constant<int, 32>{});
   } else if (p.n >= kEpilogueWideRowMinColumns && p.splits >= 1 &&
              p.splits <= kEpilogueWideRowMaxSplitBound) {
