@@ -48,7 +48,8 @@ IMPL_ORDER = [
 PEERS = ("ref_eager", "ref_compile", "fold_eager", "fold_compile", "fold_tail")
 OURS = ("ours_op", "ours_model")
 COMPILED = ("ref_compile", "fold_compile")
-CUDA_ONLY = ("fold_tail",)  # left out of the default impls on the CPU
+# Float32 CUDA peers: left out of the default impls on the CPU and in half-type runs.
+FLOAT32_CUDA_ONLY = ("fold_tail",)
 MODES = ("forward", "train")
 
 DEFAULT_BATCHES = [1, 16, 128, 1024, 4096]
@@ -530,8 +531,8 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     p.add_argument("--x-distribution", choices=X_DISTRIBUTIONS, default=DEFAULT_SHAPE["x"],
                    help="x ~ torch.rand (KernelBench's inputs) or torch.randn")
     p.add_argument("--impls", nargs="+", choices=impl_choices, default=None,
-                   help="subset of impls to run (default: all; on the CPU all but "
-                        + ", ".join(CUDA_ONLY) + ")")
+                   help="subset of impls to run (default: all; on the CPU or in another dtype "
+                        "than float32 all but " + ", ".join(FLOAT32_CUDA_ONLY) + ")")
     p.add_argument("--skip-compile", action="store_true",
                    help="leave out the torch.compile peers (" + ", ".join(COMPILED) + ")")
     p.add_argument("--compile-mode", default=None,
@@ -554,11 +555,16 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     args = p.parse_args(argv)
     args.device = resolve_device(args.device)
     if args.impls is None:
-        on_cpu = args.device.type == "cpu"
-        args.impls = [i for i in impl_choices if not (on_cpu and i in CUDA_ONLY)]
+        args.impls = default_impls(impl_choices, args.device.type, args.dtype)
     if args.skip_compile:
         args.impls = [i for i in args.impls if i not in COMPILED]
     return args
+
+
+def default_impls(impl_choices: List[str], device_type: str, dtype: str) -> List[str]:
+    """Every impl that applies: the float32 CUDA peers only on a CUDA device in float32."""
+    float32_cuda = device_type == "cuda" and dtype == "float32"
+    return [i for i in impl_choices if float32_cuda or i not in FLOAT32_CUDA_ONLY]
 
 
 def resolve_device(name: Optional[str]):

@@ -160,9 +160,13 @@ def test_pairs_past_the_deadline_are_written_as_skipped(tmp_path):
     assert all(r["median_us"] is None and r["error"].startswith(common.SKIPPED) for r in rows)
 
 
-def test_cuda_only_peers_are_left_out_of_a_cpu_runs_default_impls():
+def test_float32_cuda_peers_are_left_out_of_a_cpu_or_half_type_runs_default_impls():
     impls = _load("bench_forward").IMPLS
     default = common.parse_args("forward", impls, 1.0, ["--device", "cpu"])
     assert "fold_tail" not in default.impls and "ours_op" in default.impls
+    assert "fold_tail" in common.default_impls(impls, "cuda", "float32")
+    for dtype in ("bfloat16", "float16"):
+        chosen = common.default_impls(impls, "cuda", dtype)
+        assert "fold_tail" not in chosen and "ours_op" in chosen and "fold_eager" in chosen
     chosen = common.parse_args("forward", impls, 1.0, ["--device", "cpu", "--impls", "fold_tail"])
     assert chosen.impls == ["fold_tail"]  # asked for by name: kept, and its row says why it fails
