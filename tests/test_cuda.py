@@ -609,7 +609,8 @@ HALF_SHAPES = [  # (B, K, N)
     # and a tail.
     pytest.param((600, 40, 7), id="B=600,N=7"),
     pytest.param((2000, 40, 7), id="B=2000,N=7"),
-    pytest.param((2000, 8, 300), id="B=2000,N=300"),
+    # K = 40: the float32 path this is checked against takes two splits (an epilogue of its own).
+    pytest.param((2000, 40, 300), id="B=2000,N=300"),
 ]
 
 

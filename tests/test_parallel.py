@@ -313,6 +313,10 @@ def _worker(rank, world_size, backend, result_dir):
             except Exception:  # recorded for the test that asserts this scenario
                 results[name] = traceback.format_exc()
                 break
+        if all(error is None for error in results.values()):
+            # Every rank done before any tears its group down, as in _ddp_worker.py (after a
+            # failure the ranks are out of step, and a barrier would only wait for the timeout).
+            dist.barrier()
     finally:
         with open(f"{result_dir}/rank{rank}.json", "w") as file:
             json.dump(results, file)

@@ -10,8 +10,9 @@
 //   2. argmax_epilogue_kernel: per row, z = partial[0] + ... + partial[S-1] (in that order) + bias,
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum; a CTA per row (256 threads, 1024 for wide rows with few splits)
-//      while B is small, a warp per row from 8192 rows, and on sm_90+ the GEMM's programmatic
-//      dependent, its CTAs spread over the SMs (kMaxSpreadCtasPerSm).
+//      while B is small, a warp per row from 8192 rows (or, for one split of N < 1024, past one
+//      wave of the 256-thread CTAs), and on sm_90+ the GEMM's programmatic dependent, its CTAs
+//      spread over the SMs (kMaxSpreadCtasPerSm).
 // On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight, and
 // with one also from kCertifiedFusedMinBatch to one row per SM) for weights large enough
 // (kCertifiedMinColumns and the constants after it; use_certified), the certified path replaces
@@ -231,12 +232,13 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
 // partials of one row is spread over many threads; a warp per row once B alone fills the GPU
 // (8192 rows = 8192 warps, ~62 per SM on 132 SMs), or, where there is one split (the half path's
-// cuBLAS z), once the rows outnumber one wave of the CTA-per-row kernel (DeviceInfo::
-// epilogue_one_split_ctas_per_sm per SM). Within one wave every row's loads are in flight at
-// once; beyond it each wave of one load, one barrier and one store per CTA adds ~4 us, while a
-// warp per row keeps 8 loads in flight per lane in two rounds at N = 512. On the H200, bfloat16,
-// N = 512 (NOTES, 2026-12-01): CTA per row 3.5 / 4.8 us at 512 / 1024 rows (one wave: 1056) and
-// 16.1 at 4096 (four); warp per row 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096.
+// cuBLAS z) of fewer than kEpilogueWideRowMinColumns columns, once the rows outnumber one wave of
+// the CTA-per-row kernel (DeviceInfo::epilogue_one_split_ctas_per_sm per SM; wide rows keep the
+// wide-row kernel, not measured against a warp per row). Within one wave every row's loads are in
+// flight at once; beyond it each wave of one load, one barrier and one store per CTA adds ~4 us,
+// while a warp per row keeps 8 loads in flight per lane in two rounds at N = 512. On the H200,
+// bfloat16, N = 512 (NOTES, 2026-12-01): CTA per row 3.5 / 4.8 us at 512 / 1024 rows (one wave:
+// 1056) and 16.1 at 4096 (four); warp per row 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096.
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
@@ -495,8 +497,8 @@ struct DeviceInfo {
   // to one CTA.
   int smem_per_sm = 0;
   int spread_smem_max = 0;
-  // Resident CTAs per SM of the CTA-per-row epilogue for one split (the float32-output instance;
-  // the half-type ones differ only in the bias load's width).
+  // Resident CTAs per SM of the CTA-per-row epilogue for one split, the fewest of its output
+  // types' instances.
   int epilogue_one_split_ctas_per_sm = 0;
 };
 
@@ -573,8 +575,13 @@ const DeviceInfo& device_info(int device) {
       info->tc_ctas_per_sm =
           resident_ctas_per_sm(fg::tf32x3_splitk_kernel, fg::kTcThreads, fg::kTcSmemBytes);
     }
-    info->epilogue_one_split_ctas_per_sm = resident_ctas_per_sm(
-        argmax_epilogue_kernel<kEpilogueThreads, 1, float>, kEpilogueThreads, 0);
+    info->epilogue_one_split_ctas_per_sm = std::min(
+        {resident_ctas_per_sm(argmax_epilogue_kernel<kEpilogueThreads, 1, float>, kEpilogueThreads,
+                              0),
+         resident_ctas_per_sm(argmax_epilogue_kernel<kEpilogueThreads, 1, at::Half>,
+                              kEpilogueThreads, 0),
+         resident_ctas_per_sm(argmax_epilogue_kernel<kEpilogueThreads, 1, at::BFloat16>,
+                              kEpilogueThreads, 0)});
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info->smem_per_sm,
                                           cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
     if (info->smem_per_sm / 2 + 1 <= max_smem_optin) {
@@ -1315,7 +1322,8 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
     }
   };
   const int64_t one_wave_rows = int64_t{info.sms} * info.epilogue_one_split_ctas_per_sm;
-  if (p.batch >= kEpilogueWarpPerRowMinBatch || (p.splits == 1 && p.batch > one_wave_rows)) {
+  if (p.batch >= kEpilogueWarpPerRowMinBatch ||
+      (p.splits == 1 && p.n < kEpilogueWideRowMinColumns && p.batch > one_wave_rows)) {
     with_split_bound(std::integral_constant<int, 32>{});
   } else if (p.n >= kEpilogueWideRowMinColumns && p.splits >= 1 &&
              p.splits <= kEpilogueWideRowMaxSplitBound) {
@@ -1375,8 +1383,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     return {out, argmax, preactivation};
   }
   const int64_t slice_rows = k > 0 ? rows_per_slice(batch, n) : batch;
-  const int64_t split_cap = std::max<int64_t>(1, kMaxWorkspaceFloats / (slice_rows * n));
-  const bool rowwise = use_rowwise(info, slice_rows, n);
 
   at::Tensor workspace;  // split-K partial sums of the current slice, reused by the next one
   for (int64_t row0 = 0; row0 < batch; row0 += slice_rows) {
@@ -1387,6 +1393,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
       workspace = at::mm(rows == batch ? x : x.narrow(0, row0, rows), weight.t(), at::kFloat);
       splits = 1;
     } else if (k > 0) {
+      const int64_t split_cap = std::max<int64_t>(1, kMaxWorkspaceFloats / (slice_rows * n));
+      const bool rowwise = use_rowwise(info, slice_rows, n);
       const Operand x_slice{x_op.storage, x_op.data + row0 * x_op.ld, x_op.ld};
       const GemmPlan plan = plan_gemm(info, rowwise, rows, n, k_padded, split_cap);
       splits = plan.splits;
