@@ -144,6 +144,54 @@ def test_fold_backward_is_the_adjoint_of_fold(device, exact_dtype, ref):
     torch.testing.assert_close(lhs, rhs, atol=tol, rtol=tol)
 
 
+def _transparent_huge_pages_mode():
+    """The system's THP setting ("always", "madvise", "never"), or None where there is none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as file:
+            text = file.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def _anon_huge_pages_kb(address):
+    """AnonHugePages of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as file:
+        inside = False
+        for line in file:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:  # a mapping's header: start-end ...
+                start, end = (int(v, 16) for v in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "AnonHugePages:":
+                return int(fields[1])
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+@pytest.mark.skipif(_transparent_huge_pages_mode() != "madvise",
+                    reason="needs Linux with transparent huge pages set to madvise")
+def test_large_cpu_gradients_are_backed_by_huge_pages_where_the_system_allows(ref):
+    # The fold's adjoint writes the dense weight gradient on every step: fresh memory, whose 4 KB
+    # page faults made most of a small-batch CPU step (docs/training.md, "On the CPU"). Its
+    # buffer is advised to take huge pages (csrc/cpu/huge_pages.h), with the same values.
+    out_features, in_features, k = 2048, 4096, 4  # a 32 MB gradient
+    grad_pooled_weight = torch.randn(out_features // k, in_features)
+    grad_pooled_bias = torch.randn(out_features // k)
+    grad_weight, grad_bias = _OPS.fold_backward(
+        grad_pooled_weight, grad_pooled_bias, out_features, k
+    )
+    # The advice covers the buffer's whole 2 MB pages: its middle lies in them (the mapping is
+    # split where the advice starts).
+    middle = grad_weight.data_ptr() + grad_weight.nbytes // 2
+    assert _anon_huge_pages_kb(middle) > 0
+    expected_weight, expected_bias = ref.fold_backward(
+        grad_pooled_weight, grad_pooled_bias, out_features, k
+    )
+    torch.testing.assert_close(grad_weight.double(), expected_weight, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad_bias.double(), expected_bias, atol=1e-6, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------
 # forward / forward_with_argmax
 

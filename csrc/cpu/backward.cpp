@@ -10,6 +10,7 @@
 // result does not depend on the thread count, and given the same dz it is the CUDA result.
 #include "checks.h"
 #include "cpu/dtypes.h"
+#include "cpu/huge_pages.h"
 #include "summation_order.h"
 
 #include <ATen/Dispatch.h>
@@ -66,8 +67,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cpu(
 
   const at::Tensor x_c = x.contiguous();
   const at::Tensor weight_c = weight.contiguous();
-  at::Tensor grad_x = at::empty({batch, in_features}, x.options());
-  at::Tensor grad_weight = at::zeros({pooled, in_features}, x.options());
+  at::Tensor grad_x = cpu::empty_with_huge_pages({batch, in_features}, x.options());
+  at::Tensor grad_weight = cpu::empty_with_huge_pages({pooled, in_features}, x.options()).zero_();
   at::Tensor grad_bias = at::zeros({pooled}, x.options());
   if (batch == 0) return {grad_x, grad_weight, grad_bias};
 

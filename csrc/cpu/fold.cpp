@@ -5,6 +5,7 @@
 // Rows N*k .. O-1 (the O % k tail, dropped by AvgPool1d's floor) never reach the output.
 #include "checks.h"
 #include "cpu/dtypes.h"
+#include "cpu/huge_pages.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -71,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
   const int64_t in_features = weight.size(1);
   // Rows must be unit-stride for the inner loop; a transposed or sliced weight is copied once.
   const at::Tensor w = weight.stride(1) == 1 ? weight : weight.contiguous();
-  at::Tensor pooled_weight = at::empty({pooled, in_features}, weight.options());
+  at::Tensor pooled_weight = cpu::empty_with_huge_pages({pooled, in_features}, weight.options());
   at::Tensor pooled_bias;
   AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "fold_cpu", [&] {
     pool_rows<scalar_t>(w.const_data_ptr<scalar_t>(), w.stride(0),
@@ -129,7 +130,8 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_cpu(const at::Tensor& grad_pool
   const at::Tensor gw = grad_pooled_weight.stride(1) == 1 ? grad_pooled_weight
                                                           : grad_pooled_weight.contiguous();
   const at::Tensor gb = grad_pooled_bias.contiguous();
-  at::Tensor grad_weight = at::empty({out_features, in_features}, gw.options());
+  // The step's largest write (256 MB at the default shape): huge pages (cpu/huge_pages.h).
+  at::Tensor grad_weight = cpu::empty_with_huge_pages({out_features, in_features}, gw.options());
   at::Tensor grad_bias = at::empty({out_features}, gw.options());
   AT_DISPATCH_FLOATING_TYPES(gw.scalar_type(), "fold_backward_cpu", [&] {
     expand_rows<scalar_t>(gw.const_data_ptr<scalar_t>(), gw.stride(0),
