@@ -4,6 +4,7 @@
     python benchmarks/profile_forward.py --batches 1024 --out /tmp/profile.json
     python benchmarks/profile_forward.py --paths certified --prepared both --batches 1024 4096
     python benchmarks/profile_forward.py --paths 3xtf32 --batches 513 --shapes 1024x512 8192x128
+    python benchmarks/profile_forward.py --dtype bfloat16 --batches 512 1024 4096
 
 For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
 sm_90a build on Hopper: the certified path from 513 rows, 257 with --prepared, on weights large
@@ -17,7 +18,9 @@ median (fused_pool_gelu.timing, as bench_forward.py). Data: the benchmarks' (ben
 folded weights of Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B;
 shape K = 8192, N = 512 by default (-K, -N), or several in one process (--shapes KxN ...). The
 certified path's speed depends on the data (how many columns each row rescores): its rows also print
-the candidates per row (`_certified_candidate_counts`).
+the candidates per row (`_certified_candidate_counts`). --dtype bfloat16 / float16 casts the weights
+and x (the half path: cuBLAS's GEMM with a float32 result, then the epilogue; the path switches do
+not apply to it, and there is no prepared weight).
 """
 
 from __future__ import annotations
@@ -96,15 +99,21 @@ def main():
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--prepared", choices=["no", "yes", "both"], default="no",
                         help="pass the weight's prepare_weight copy (made once) to every call")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the operands' dtype (the weights and x cast to it)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
+    if args.dtype != "float32" and args.prepared != "no":
+        parser.error(f"--prepared {args.prepared}: prepare_weight takes float32 weights, "
+                     f"got --dtype {args.dtype}")
+    dtype = getattr(torch, args.dtype)
 
     prepared_options = {"no": [False], "yes": [True], "both": [False, True]}[args.prepared]
     rows = []
     for k, n in args.shapes or [(args.K, args.N)]:
         if args.shapes:
             print(f"K = {k}, N = {n}", flush=True)
-        weight, bias = common.folded_weights(k, n * POOL, POOL)
+        weight, bias = (t.to(dtype) for t in common.folded_weights(k, n * POOL, POOL))
         prepared_weight = (fused_pool_gelu.prepare_weight(weight) if args.prepared != "no"
                            else None)
         for path in args.paths:
@@ -112,7 +121,7 @@ def main():
                 os.environ.pop(name, None)
             os.environ.update(PATHS[path])
             for batch in args.batches:
-                x = common.benchmark_x(batch, k, "cuda")
+                x = common.benchmark_x(batch, k, "cuda").to(dtype)
                 for prepared in prepared_options:
                     rows.append(profile_row(path, x, weight, bias, args.calls,
                                             prepared_weight if prepared else None))
@@ -126,13 +135,15 @@ def profile_row(path, x, weight, bias, calls, prepared_weight):
     batch, k = x.shape
     prepared = prepared_weight is not None
     row = {"path": path, "B": batch, "K": k, "N": weight.shape[0], "prepared": prepared,
-           "kernels_us": kernels, "own_sum_us": total, "median_us": median}
+           "dtype": str(x.dtype).removeprefix("torch."), "kernels_us": kernels,
+           "own_sum_us": total, "median_us": median}
     parts = ", ".join(f"{short_name(name)} {t['own_us']:.1f}/{t['device_us']:.1f}"
                       for name, t in kernels.items() if t["device_us"] > 0)
-    label = path + ("+prep" if prepared else "")
+    label = path + ("+prep" if prepared else "") + ("" if row["dtype"] == "float32" else
+                                                    "+" + row["dtype"])
     line = (f"{label:13s} B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us"
             f"  (own/device: {parts})")
-    if path == "certified":
+    if path == "certified" and x.dtype == torch.float32:
         counts = row["candidates"] = candidate_counts(x, weight, bias)
         mean = "-" if counts["mean"] is None else f"{counts['mean']:.2f}"
         line += (f"; candidates per row {mean} mean, {counts['max']} max,"
