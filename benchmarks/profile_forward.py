@@ -89,8 +89,8 @@ def shape(text):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS),
-                        default=["default", "mma_sync"])
+    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=None,
+                        help="default: default and mma_sync in float32, default in a half dtype")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128, 1024, 4096])
     parser.add_argument("-K", type=int, default=8192)
     parser.add_argument("-N", type=int, default=512)
@@ -106,6 +106,11 @@ def main():
     if args.dtype != "float32" and args.prepared != "no":
         parser.error(f"--prepared {args.prepared}: prepare_weight takes float32 weights, "
                      f"got --dtype {args.dtype}")
+    if args.paths is None:
+        args.paths = ["default", "mma_sync"] if args.dtype == "float32" else ["default"]
+    elif args.dtype != "float32" and args.paths != ["default"]:
+        parser.error(f"--paths {' '.join(args.paths)}: the path switches select float32 "
+                     f"kernels; a half dtype ({args.dtype}) takes the half path only (default)")
     dtype = getattr(torch, args.dtype)
 
     prepared_options = {"no": [False], "yes": [True], "both": [False, True]}[args.prepared]
@@ -141,7 +146,7 @@ def profile_row(path, x, weight, bias, calls, prepared_weight):
                       for name, t in kernels.items() if t["device_us"] > 0)
     label = path + ("+prep" if prepared else "") + ("" if row["dtype"] == "float32" else
                                                     "+" + row["dtype"])
-    line = (f"{label:13s} B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us"
+    line = (f"{label:16s} B={batch:5d}: median {median:7.1f} us, own sum {total:7.1f} us"
             f"  (own/device: {parts})")
     if path == "certified" and x.dtype == torch.float32:
         counts = row["candidates"] = candidate_counts(x, weight, bias)

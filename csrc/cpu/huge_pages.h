@@ -7,7 +7,10 @@
 // many distributions), asking for them on the buffer before it is touched maps it 2 MB at a time,
 // as PyTorch's THP_MEM_ALLOC_ENABLE=1 does for every large allocation. The advice changes no value:
 // where the system does not honour it (THP `never`, not Linux, the buffer already touched, e.g. by
-// deterministic mode's fill of uninitialized memory), the buffer is an ordinary one.
+// deterministic mode's fill of uninitialized memory), the buffer is an ordinary one. The advice
+// outlives the buffer where the allocator keeps the range (glibc's heap, below its mmap threshold):
+// later small allocations there may take 2 MB pages too (more memory, never other values), as with
+// glibc's own glibc.malloc.hugetlb=1.
 #pragma once
 
 #include <ATen/core/Tensor.h>
