@@ -981,10 +981,11 @@ def test_half_types_on_cpu_compute_in_float32_and_round_once(dtype, make_inputs)
     )
     for half, single in zip(grads, grads32):
         assert half.dtype == dtype and torch.equal(half, single.to(dtype))
-    back = _OPS.fold_backward(grads[1], grads[2], 12, 3)
-    back32 = _OPS.fold_backward(grads[1].float(), grads[2].float(), 12, 3)
-    for half, single in zip(back, back32):
-        assert half.dtype == dtype and torch.equal(half, single.to(dtype))
+    for out_features in (12, 14):  # 14: two tail rows (zero gradient)
+        back = _OPS.fold_backward(grads[1], grads[2], out_features, 3)
+        back32 = _OPS.fold_backward(grads[1].float(), grads[2].float(), out_features, 3)
+        for half, single in zip(back, back32):
+            assert half.dtype == dtype and torch.equal(half, single.to(dtype))
 
 
 # The cases whose checks are on shapes and integer arguments, which the fake kernels mirror (not

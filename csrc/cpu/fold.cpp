@@ -8,6 +8,7 @@
 #include "cpu/huge_pages.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -90,10 +91,14 @@ std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
 
 // grad_weight[n*k + r] = grad_pooled_weight[n] / k for n < N, tail rows zero; bias likewise.
 // A group's rows are equal: the first of them in this thread's range is divided, the others are
-// copies of the row before (one division per pooled element, not k).
+// copies of the row before (one division per pooled element, not k). A half type's quotient is
+// taken in float32 and rounded once, as converting to float32 and back around the float32 kernel
+// would give, without the two whole-matrix copies (a 256 MB float32 intermediate at the default
+// shape).
 template <typename scalar_t>
 void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t pooled,
                  int64_t out_rows, int64_t cols, int64_t k) {
+  using opmath_t = at::opmath_type<scalar_t>;
   at::parallel_for(0, out_rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       scalar_t* out = dst + o * cols;
@@ -102,7 +107,9 @@ void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t
         std::fill(out, out + cols, scalar_t(0));
       } else if (o % k == 0 || o == begin) {
         const scalar_t* row = src + n * src_stride;
-        for (int64_t c = 0; c < cols; ++c) out[c] = row[c] / static_cast<scalar_t>(k);
+        for (int64_t c = 0; c < cols; ++c) {
+          out[c] = static_cast<scalar_t>(static_cast<opmath_t>(row[c]) / static_cast<opmath_t>(k));
+        }
       } else {
         std::copy(out - cols, out, out);
       }
@@ -117,13 +124,6 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_cpu(const at::Tensor& grad_pool
   check_fold_backward_inputs(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size);
   check_dtype_in("fold_backward", "grad_pooled_weight", grad_pooled_weight, kCpuDtypes,
                  kCpuDtypesText);
-  if (is_reduced_float(grad_pooled_weight)) {
-    const auto dtype = grad_pooled_weight.scalar_type();
-    auto [grad_weight, grad_bias] =
-        fold_backward_cpu(grad_pooled_weight.to(at::kFloat), grad_pooled_bias.to(at::kFloat),
-                          out_features, pool_kernel_size);
-    return {grad_weight.to(dtype), grad_bias.to(dtype)};
-  }
   const int64_t k = pool_kernel_size;
   const int64_t pooled = grad_pooled_weight.size(0);
   const int64_t in_features = grad_pooled_weight.size(1);
@@ -133,13 +133,14 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_cpu(const at::Tensor& grad_pool
   // The step's largest write (256 MB at the default shape): huge pages (cpu/huge_pages.h).
   at::Tensor grad_weight = cpu::empty_with_huge_pages({out_features, in_features}, gw.options());
   at::Tensor grad_bias = at::empty({out_features}, gw.options());
-  AT_DISPATCH_FLOATING_TYPES(gw.scalar_type(), "fold_backward_cpu", [&] {
-    expand_rows<scalar_t>(gw.const_data_ptr<scalar_t>(), gw.stride(0),
-                          grad_weight.mutable_data_ptr<scalar_t>(), pooled, out_features,
-                          in_features, k);
-    expand_rows<scalar_t>(gb.const_data_ptr<scalar_t>(), 1, grad_bias.mutable_data_ptr<scalar_t>(),
-                          pooled, out_features, 1, k);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, gw.scalar_type(), "fold_backward_cpu", [&] {
+        expand_rows<scalar_t>(gw.const_data_ptr<scalar_t>(), gw.stride(0),
+                              grad_weight.mutable_data_ptr<scalar_t>(), pooled, out_features,
+                              in_features, k);
+        expand_rows<scalar_t>(gb.const_data_ptr<scalar_t>(), 1,
+                              grad_bias.mutable_data_ptr<scalar_t>(), pooled, out_features, 1, k);
+      });
   return {grad_weight, grad_bias};
 }
 
