@@ -27,17 +27,26 @@ constexpr int64_t kPoolColumns = 16;
 // Means of the k rows of `group` (row stride `stride`) over its first `width` <= kPoolColumns
 // columns, into `out`: each column summed over the rows in order, then divided by k. The sums stay
 // in registers while the rows stream past (a loop over whole rows stored and reloaded them for
-// every row: a 32 KB row at K = 8192 does not stay in L1).
+// every row: a 32 KB row at K = 8192 does not stay in L1). A half type is summed and divided in
+// float32 and rounded once: the float32 kernel's answer on the widened values, without the
+// whole-matrix copies to float32 and back (a 256 MB float32 weight at the default shape).
 template <typename scalar_t>
 void pool_columns(const scalar_t* group, int64_t stride, int64_t k, scalar_t* out,
                   int64_t width) {
-  scalar_t sums[kPoolColumns];
-  for (int64_t c = 0; c < kPoolColumns; ++c) sums[c] = c < width ? group[c] : scalar_t(0);
+  using opmath_t = at::opmath_type<scalar_t>;
+  opmath_t sums[kPoolColumns];
+  for (int64_t c = 0; c < kPoolColumns; ++c) {
+    sums[c] = c < width ? static_cast<opmath_t>(group[c]) : opmath_t(0);
+  }
   for (int64_t r = 1; r < k; ++r) {
     const scalar_t* row = group + r * stride;
-    for (int64_t c = 0; c < kPoolColumns; ++c) sums[c] += c < width ? row[c] : scalar_t(0);
+    for (int64_t c = 0; c < kPoolColumns; ++c) {
+      sums[c] += c < width ? static_cast<opmath_t>(row[c]) : opmath_t(0);
+    }
   }
-  for (int64_t c = 0; c < width; ++c) out[c] = sums[c] / static_cast<scalar_t>(k);
+  for (int64_t c = 0; c < width; ++c) {
+    out[c] = static_cast<scalar_t>(sums[c] / static_cast<opmath_t>(k));
+  }
 }
 
 // Rows of `dst` [rows, cols] are means of k consecutive rows of `src` (row stride src_stride).
@@ -63,11 +72,6 @@ std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
                                             int64_t pool_kernel_size) {
   check_fold_inputs(weight, bias, pool_kernel_size);
   check_dtype_in("fold", "weight", weight, kCpuDtypes, kCpuDtypesText);
-  if (is_reduced_float(weight)) {
-    auto [pooled_weight, pooled_bias] =
-        fold_cpu(weight.to(at::kFloat), to_float(bias), pool_kernel_size);
-    return {pooled_weight.to(weight.scalar_type()), pooled_bias.to(weight.scalar_type())};
-  }
   const int64_t k = pool_kernel_size;
   const int64_t pooled = weight.size(0) / k;
   const int64_t in_features = weight.size(1);
@@ -75,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
   const at::Tensor w = weight.stride(1) == 1 ? weight : weight.contiguous();
   at::Tensor pooled_weight = cpu::empty_with_huge_pages({pooled, in_features}, weight.options());
   at::Tensor pooled_bias;
-  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "fold_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "fold_cpu", [&] {
     pool_rows<scalar_t>(w.const_data_ptr<scalar_t>(), w.stride(0),
                         pooled_weight.mutable_data_ptr<scalar_t>(), pooled, in_features, k);
     if (bias.has_value()) {
