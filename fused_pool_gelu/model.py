@@ -163,9 +163,17 @@ class ModelNew(nn.Module):
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
     def forward(self, x: Tensor) -> Tensor:
-        # Each nn.Module attribute lookup costs about a microsecond of host time: fetch them once.
-        linear = self.matmul
-        weight, bias = linear.weight, linear.bias
+        # nn.Module's attribute lookups go through __getattr__, about a microsecond of host time
+        # each (3.6 us for these three, against a 7 us op at B = 1 on a CPU): the registered
+        # parameters are read from the module's dicts. A parameter that is not a registered one
+        # (torch.nn.utils.parametrize's property, an old weight_norm's plain tensor) takes the
+        # attribute lookup, as before.
+        linear = self._modules["matmul"]
+        params = linear._parameters
+        weight = params.get("weight")
+        if weight is None:
+            weight = linear.weight
+        bias = params["bias"] if "bias" in params else linear.bias
         if torch.compiler.is_compiling():
             # Traced graphs cannot read version counters, and they trace the ops through their
             # fake kernels and Python autograd formulas: the fold becomes part of the graph.

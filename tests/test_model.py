@@ -384,6 +384,33 @@ def test_invalidate_fold_forces_a_refold_after_a_data_edit(fold_calls, device):
     torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, tensor):
+        return 2.0 * tensor
+
+
+@pytest.mark.parametrize("names", [("weight",), ("bias",), ("weight", "bias")], ids="+".join)
+def test_parametrized_parameters_are_the_ones_used(names, device):
+    # torch.nn.utils.parametrize replaces a registered parameter by a property computed at each
+    # access: ModelNew must read it (not the parameter dict, where it no longer is), with grad and
+    # without, as Model does.
+    from torch.nn.utils import parametrize
+
+    model, new = _pair((64, 48, 4, 2.0), device)
+    for module in (model, new):
+        for name in names:
+            parametrize.register_parametrization(module.matmul, name, _Doubled())
+    x = torch.rand(5, 64, device=device)
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(new(x), expected, atol=1e-5, rtol=1e-5)
+    out = new(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    original = new.matmul.parametrizations[names[0]].original
+    assert original.grad is not None and bool(original.grad.any())
+
+
 def test_grad_enabled_folds_every_call_and_the_weight_gets_a_gradient(fold_calls, device):
     new, x = _new_and_input(device)
     new(x).sum().backward()
