@@ -384,6 +384,27 @@ def test_invalidate_fold_forces_a_refold_after_a_data_edit(fold_calls, device):
     torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
 
 
+class _ModelNewWithMatmulProperty(ModelNew):
+    """A subclass that keeps its Linear under another name and serves `matmul` as a property."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.inner = self._modules.pop("matmul")
+
+    @property
+    def matmul(self):
+        return self.inner
+
+
+def test_a_subclass_may_serve_matmul_as_a_property(device):
+    model, _ = _pair((64, 48, 4, 2.0), device)
+    torch.manual_seed(1234)
+    new = _ModelNewWithMatmulProperty(64, 48, 4, 2.0).to(device)
+    x = torch.rand(5, 64, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 class _Doubled(torch.nn.Module):
     def forward(self, tensor):
         return 2.0 * tensor
