@@ -575,13 +575,11 @@ const DeviceInfo& device_info(int device) {
       info->tc_ctas_per_sm =
           resident_ctas_per_sm(fg::tf32x3_splitk_kernel, fg::kTcThreads, fg::kTcSmemBytes);
     }
-    info->epilogue_one_split_ctas_per_sm = std::min(
-        {resident_ctas_per_sm(argmax_epilogue_kernel<kEpilogueThreads, 1, float>, kEpilogueThreads,
-                              0),
-         resident_ctas_per_sm(argmax_epilogue_kernel<kEpilogueThreads, 1, at::Half>,
-                              kEpilogueThreads, 0),
-         resident_ctas_per_sm(argmax_epilogue_kernel<kEpilogueThreads, 1, at::BFloat16>,
-                              kEpilogueThreads, 0)});
+    info->epilogue_one_split_ctas_per_sm = std::numeric_limits<int>::max();
+    for_each_row_epilogue<kEpilogueThreads, 1, 1>([&](auto kernel) {  // the output types' instances
+      info->epilogue_one_split_ctas_per_sm = std::min(
+          info->epilogue_one_split_ctas_per_sm, resident_ctas_per_sm(kernel, kEpilogueThreads, 0));
+    });
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&info->smem_per_sm,
                                           cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
     if (info->smem_per_sm / 2 + 1 <= max_smem_optin) {
@@ -1359,6 +1357,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   // before it cost 3.2 us per call on the H200), and the certified path takes float32 x only.
   at::Tensor bias_contiguous;
   if (bias.has_value()) bias_contiguous = bias->contiguous();
+  // The epilogue reads the bias as its output type, x's: the same dtype (check_forward_inputs).
+  TORCH_INTERNAL_ASSERT(!bias_contiguous.defined() ||
+                        bias_contiguous.scalar_type() == x.scalar_type());
 
   const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
   // The GEMV kernel indexes inside a row with ints (fewer registers in its hot loop).
@@ -1411,9 +1412,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
     p.split_stride = rows * n;
     p.splits = static_cast<int>(splits);
-    // The epilogue reads the bias as its output type, x's: the same dtype (check_forward_inputs).
-    TORCH_INTERNAL_ASSERT(!bias_contiguous.defined() ||
-                          bias_contiguous.scalar_type() == x.scalar_type());
     p.bias = bias_contiguous.defined() ? bias_contiguous.const_data_ptr() : nullptr;
     p.scale = static_cast<float>(scale);  // torch multiplies a float32 tensor by a float32 scalar
     p.batch = rows;
