@@ -605,12 +605,13 @@ HALF_SHAPES = [  # (B, K, N)
     # B x N above the workspace's 2^22 floats: two slices of rows.
     pytest.param((8200, 16, 520), id="two-slices"),
     # One split over many rows: a CTA per row within one wave of them (1056 rows on an H200), a
-    # warp per row beyond, 8 columns per lane at a time: N below one step of them, and a step
-    # and a tail.
+    # warp per row beyond, 8 scalar columns per lane at a time where N % 4 != 0 (N = 7, below one
+    # step of them) and 16 in 16-byte loads where N % 4 == 0 (N = 300: a step and a tail).
     pytest.param((600, 40, 7), id="B=600,N=7"),
     pytest.param((2000, 40, 7), id="B=2000,N=7"),
     # K = 40: the float32 path this is checked against takes two splits (an epilogue of its own).
     pytest.param((2000, 40, 300), id="B=2000,N=300"),
+    pytest.param((2000, 40, 4), id="B=2000,N=4"),  # one 4-column load per row, 31 lanes idle
 ]
 
 
@@ -646,14 +647,29 @@ def test_half_forward_is_the_float32_answer_rounded_once(shape, dtype, has_bias)
     _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
 
+@pytest.mark.parametrize("bias_offset", [0, 1], ids=["bias-aligned", "bias-offset-1"])
 @pytest.mark.parametrize("shape", [(600, 32, 7), (2000, 24, 300), (4096, 96, 512)])
-def test_one_split_epilogue_over_many_rows_matches_float64(shape, make_inputs, check_forward):
+def test_one_split_epilogue_over_many_rows_matches_float64(
+    shape, bias_offset, make_inputs, check_forward
+):
     # float32 shapes whose GEMM takes one split (K within one 32-wide K tile, or one wgmma CTA
     # per SM): the one-split epilogues that the half path uses, a CTA per row within one wave of
-    # them and a warp per row beyond, here on the float32 path's partials.
+    # them and a warp per row beyond (16-byte loads where N % 4 == 0 and the bias allows them: a
+    # bias view one element into its storage does not), here on the float32 path's partials.
     batch, in_features, pooled = shape
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
+    bias = torch.cat([bias.new_full((bias_offset,), float("nan")), bias])[bias_offset:]
     check_forward(*ops.forward_with_argmax(x, weight, bias, 2.0), x, weight, bias, 2.0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("bias_offset", [1, 2, 3])
+def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(dtype, bias_offset):
+    # A warp per row reads 4 columns of the bias at once where its start allows (8 bytes in a
+    # half type); a view 1-3 elements into its storage must take the scalar loads.
+    x, weight, bias = _exact_half_inputs(2000, 40, 300, dtype)
+    padded = torch.cat([torch.full((bias_offset,), float("nan"), device=DEVICE, dtype=dtype), bias])
+    _assert_half_equals_float32_path(x, weight, padded[bias_offset:], 1.7)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)

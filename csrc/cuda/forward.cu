@@ -236,9 +236,11 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 // the CTA-per-row kernel (DeviceInfo::epilogue_one_split_ctas_per_sm per SM; wide rows keep the
 // wide-row kernel, not measured against a warp per row). Within one wave every row's loads are in
 // flight at once; beyond it each wave of one load, one barrier and one store per CTA adds ~4 us,
-// while a warp per row keeps 8 loads in flight per lane in two rounds at N = 512. On the H200,
-// bfloat16, N = 512 (NOTES, 2026-12-01): CTA per row 3.5 / 4.8 us at 512 / 1024 rows (one wave:
-// 1056) and 16.1 at 4096 (four); warp per row 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096.
+// while a warp per row keeps 8 scalar loads in flight per lane, two rounds at N = 512 (or 16
+// columns in 4 loads of 16 bytes, one round, where N % 4 == 0 and the bias's start allows). On
+// the H200, bfloat16, N = 512 (NOTES, 2026-12-01): CTA per row 3.5 / 4.8 us at 512 / 1024 rows
+// (one wave: 1056) and 16.1 at 4096 (four); warp per row, scalar loads, 6.8 / 7.0 / 7.7 / 9.9 at
+// 512 / 1024 / 2048 / 4096.
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
@@ -307,9 +309,52 @@ struct EpilogueParams {
   int64_t n;
 };
 
+// kColumns adjacent columns of a row of z or of the bias in one load (4 or 16 bytes of float32, 2
+// or 8 of a half type; the caller keeps the address aligned to it), widened to float where used. A
+// half type's values stay the loaded bits until then: moving them into registers of their own
+// right after the load made it wait for the load there, before the loads after it were issued.
+template <int kColumns, typename T>
+struct Columns {
+  static_assert(sizeof(T) == 2, "a half type (float32: the specialization below)");
+  std::conditional_t<kColumns == 1, unsigned short, uint2> bits;
+
+  __device__ __forceinline__ float operator[](int j) const {
+    unsigned short value;
+    if constexpr (kColumns == 1) {
+      value = bits;
+    } else {
+      value = static_cast<unsigned short>((j < 2 ? bits.x : bits.y) >> (16 * (j % 2)));
+    }
+    return static_cast<float>(T(value, T::from_bits()));  // exact
+  }
+};
+
+template <int kColumns>
+struct Columns<kColumns, float> {
+  float v[kColumns];
+
+  __device__ __forceinline__ float operator[](int j) const { return v[j]; }
+};
+
+template <int kColumns, typename T>
+__device__ __forceinline__ Columns<kColumns, T> load_columns(const T* first) {
+  static_assert(kColumns == 1 || kColumns == 4, "a scalar or four adjacent columns");
+  if constexpr (std::is_same_v<T, float> && kColumns == 1) {
+    return {{__ldg(first)}};
+  } else if constexpr (std::is_same_v<T, float>) {
+    const float4 four = __ldg(reinterpret_cast<const float4*>(first));
+    return {{four.x, four.y, four.z, four.w}};
+  } else if constexpr (kColumns == 1) {
+    return {*reinterpret_cast<const unsigned short*>(first)};
+  } else {
+    return {*reinterpret_cast<const uint2*>(first)};
+  }
+}
+
 // kSplitBound: the splits' bound for sum_few_splits (1, 2, 4, ..., kEpilogueMaxSplitBound), or 0:
-// batches of kSplitBatch (no split, or more than kEpilogueMaxSplitBound).
-template <int kThreadsPerRow, int kSplitBound, typename out_t>
+// batches of kSplitBatch (no split, or more than kEpilogueMaxSplitBound). kColumnsPerLoad: 4 for a
+// warp per row of one split whose loads launch_epilogue found aligned, else 1.
+template <int kThreadsPerRow, int kSplitBound, typename out_t, int kColumnsPerLoad = 1>
 __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
     argmax_epilogue_kernel(const EpilogueParams p, out_t* __restrict__ out,
                            int64_t* __restrict__ argmax, out_t* __restrict__ preactivation) {
@@ -328,13 +373,6 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
   if (row < p.batch) {
     const float* row_partial = p.partial + row * p.n;
     const out_t* bias = static_cast<const out_t*>(p.bias);
-    auto bias_at = [&](int64_t col) {
-      if constexpr (std::is_same_v<out_t, float>) {
-        return __ldg(bias + col);
-      } else {
-        return static_cast<float>(bias[col]);  // exact: a half type widened
-      }
-    };
     // Column col's value from its z (split sum plus bias): torch's order, gelu(z) first, then the
     // product with scale. A non-finite pre-activation gives NaN, as in the CPU kernel (README
     // "Non-finite values").
@@ -343,23 +381,32 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
       if (beats(v, col, best.value, best.index)) best = Candidate{v, col, z};
     };
     if constexpr (kSplitBound == 1 && kThreadsPerRow == 32) {
-      // A warp's row of one split: kLoads columns' loads (z and bias) issued before their GELUs,
-      // whose erf branches keep the compiler from hoisting loads across an unrolled loop's
-      // columns.
-      constexpr int kLoads = 8;
-      for (int64_t base = col0; base < p.n; base += kLoads * kThreadsPerRow) {
-        float z[kLoads];
-        float b[kLoads];
+      // A warp's row of one split: kLoads loads of z and of the bias per lane issued before their
+      // GELUs, whose erf branches keep the compiler from hoisting loads across an unrolled loop's
+      // columns. Scalar, 8 columns per lane in flight (two rounds at N = 512); 4 columns per load,
+      // 16 (the whole of a 512-column row in one round) for about the registers of the 8.
+      static_assert(kColumnsPerLoad == 1 || kColumnsPerLoad == 4, "scalar or 16-byte z loads");
+      constexpr int kLoads = kColumnsPerLoad == 1 ? 8 : 4;
+      constexpr int kStep = kColumnsPerLoad * kThreadsPerRow;  // columns between a lane's loads
+      for (int64_t base = int64_t{col0} * kColumnsPerLoad; base < p.n; base += kLoads * kStep) {
+        Columns<kColumnsPerLoad, float> z[kLoads] = {};
+        Columns<kColumnsPerLoad, out_t> b[kLoads] = {};
 #pragma unroll
         for (int u = 0; u < kLoads; ++u) {
-          const int64_t col = base + u * kThreadsPerRow;
-          z[u] = col < p.n ? __ldg(row_partial + col) : 0.f;
-          b[u] = col < p.n && p.bias != nullptr ? bias_at(col) : 0.f;
+          const int64_t col = base + u * kStep;
+          if (col < p.n) z[u] = load_columns<kColumnsPerLoad>(row_partial + col);
+          if (col < p.n && bias != nullptr) b[u] = load_columns<kColumnsPerLoad>(bias + col);
         }
+        // With kColumnsPerLoad = 4, N % 4 == 0: a load's columns are all inside the row.
 #pragma unroll
         for (int u = 0; u < kLoads; ++u) {
-          const int64_t col = base + u * kThreadsPerRow;
-          if (col < p.n) consider(col, p.bias != nullptr ? z[u] + b[u] : z[u]);
+          const int64_t col = base + u * kStep;
+          if (col < p.n) {
+#pragma unroll
+            for (int j = 0; j < kColumnsPerLoad; ++j) {
+              consider(col + j, bias != nullptr ? z[u][j] + b[u][j] : z[u][j]);
+            }
+          }
         }
       }
     } else {
@@ -375,7 +422,7 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
         } else {
           z = sum_splits<kSplitBatch>(row_partial + col, p.split_stride, p.splits);
         }
-        if (p.bias != nullptr) z += bias_at(col);
+        if (bias != nullptr) z += load_columns<1>(bias + col)[0];
         consider(col, z);
       }
     }
@@ -1295,7 +1342,7 @@ template <typename out_t>
 void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argmax,
                      at::Tensor& preactivation, const DeviceInfo& info, bool dependent_launch,
                      cudaStream_t stream) {
-  auto launch = [&](auto threads_per_row, auto split_bound) {
+  auto launch = [&](auto threads_per_row, auto split_bound, auto columns_per_load) {
     constexpr int kThreadsPerRow = decltype(threads_per_row)::value;
     constexpr int kCtaThreads = epilogue_cta_threads(kThreadsPerRow);
     constexpr int kRowsPerCta = kCtaThreads / kThreadsPerRow;
@@ -1307,26 +1354,41 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
       config.dynamicSmemBytes = spread_smem_bytes(info, blocks, 0);
     }
     C10_CUDA_CHECK(cudaLaunchKernelEx(
-        &config, argmax_epilogue_kernel<kThreadsPerRow, decltype(split_bound)::value, out_t>, p,
+        &config,
+        argmax_epilogue_kernel<kThreadsPerRow, decltype(split_bound)::value, out_t,
+                               decltype(columns_per_load)::value>,
+        p,
         out.data_ptr<out_t>(), argmax.data_ptr<int64_t>(), preactivation.data_ptr<out_t>()));
   };
+  constexpr std::integral_constant<int, 1> kScalarLoads{};
   // The split-K workspace (at most kMaxWorkspaceFloats) keeps sum_few_splits' offsets in an int.
   auto with_split_bound = [&](auto threads_per_row) {
     if (p.splits == 0 || p.splits > kEpilogueMaxSplitBound) {
-      launch(threads_per_row, std::integral_constant<int, 0>{});
+      launch(threads_per_row, std::integral_constant<int, 0>{}, kScalarLoads);
     } else {
       dispatch_split_bound<kEpilogueMaxSplitBound>(
-          p.splits, [&](auto split_bound) { launch(threads_per_row, split_bound); });
+          p.splits, [&](auto split_bound) { launch(threads_per_row, split_bound, kScalarLoads); });
     }
   };
   const int64_t one_wave_rows = int64_t{info.sms} * info.epilogue_one_split_ctas_per_sm;
   if (p.batch >= kEpilogueWarpPerRowMinBatch ||
       (p.splits == 1 && p.n < kEpilogueWideRowMinColumns && p.batch > one_wave_rows)) {
-    with_split_bound(std::integral_constant<int, 32>{});
+    // A row of one split in 16-byte loads where they stay aligned: N % 4 == 0 keeps every row's
+    // start at the workspace's alignment, and the bias's own start must allow 4 columns at once.
+    auto aligned = [](const void* ptr, size_t bytes) {
+      return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+    };
+    if (p.splits == 1 && p.n % 4 == 0 && aligned(p.partial, 4 * sizeof(float)) &&
+        (p.bias == nullptr || aligned(p.bias, 4 * sizeof(out_t)))) {
+      launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{},
+             std::integral_constant<int, 4>{});
+    } else {
+      with_split_bound(std::integral_constant<int, 32>{});
+    }
   } else if (p.n >= kEpilogueWideRowMinColumns && p.splits >= 1 &&
              p.splits <= kEpilogueWideRowMaxSplitBound) {
     dispatch_split_bound<kEpilogueWideRowMaxSplitBound>(p.splits, [&](auto split_bound) {
-      launch(std::integral_constant<int, kEpilogueWideRowThreads>{}, split_bound);
+      launch(std::integral_constant<int, kEpilogueWideRowThreads>{}, split_bound, kScalarLoads);
     });
   } else {
     with_split_bound(std::integral_constant<int, kEpilogueThreads>{});
