@@ -82,6 +82,14 @@ def _kernels_run(fn):
     return {e.name for e in prof.events()}
 
 
+def _epilogues_run(fn):
+    """(threads per row, split bound, columns per load) of each argmax_epilogue_kernel instance fn
+    launches (any output type)."""
+    found = (re.search(r"argmax_epilogue_kernel<(\d+), (\d+), [\w:]+, (\d+)>", name)
+             for name in _kernels_run(fn))
+    return {tuple(int(group) for group in m.groups()) for m in found if m}
+
+
 def _gemm_kernels_run(fn):
     """Names of the CUDA kernels fn launches whose name says they are a forward split-K GEMM."""
     return {name for name in _kernels_run(fn) if "splitk_kernel" in name}
@@ -374,12 +382,10 @@ def test_wide_row_epilogue_matches_float64(batch, in_features, pooled, threads, 
                                            check_forward, deterministic_algorithms):
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
-    epilogues = [re.search(r"argmax_epilogue_kernel<(\d+), (\d+), float>", name)
-                 for name in _kernels_run(run)]
-    launched = {(int(m.group(1)), int(m.group(2))) for m in epilogues if m}
+    launched = _epilogues_run(run)
     assert len(launched) == 1, launched
-    ((cta_threads, bound),) = launched
-    assert cta_threads == threads and bound in bounds, launched
+    ((cta_threads, bound, columns_per_load),) = launched
+    assert cta_threads == threads and bound in bounds and columns_per_load == 1, launched
     out, argmax, preactivation = run()
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
@@ -647,6 +653,7 @@ def test_half_forward_is_the_float32_answer_rounded_once(shape, dtype, has_bias)
     _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
 
+@pytest.mark.profiler
 @pytest.mark.parametrize("bias_offset", [0, 1], ids=["bias-aligned", "bias-offset-1"])
 @pytest.mark.parametrize("shape", [(600, 32, 7), (2000, 24, 300), (4096, 96, 512)])
 def test_one_split_epilogue_over_many_rows_matches_float64(
@@ -659,17 +666,30 @@ def test_one_split_epilogue_over_many_rows_matches_float64(
     batch, in_features, pooled = shape
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     bias = torch.cat([bias.new_full((bias_offset,), float("nan")), bias])[bias_offset:]
-    check_forward(*ops.forward_with_argmax(x, weight, bias, 2.0), x, weight, bias, 2.0)
+    run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
+    launched = _epilogues_run(run)
+    assert len(launched) == 1, launched
+    ((threads_per_row, bound, columns_per_load),) = launched
+    assert bound == 1, launched
+    if batch == 4096:  # past one wave of CTA-per-row CTAs on any GPU (1056 rows on an H200)
+        assert threads_per_row == 32, launched
+    vector_loads = threads_per_row == 32 and pooled % 4 == 0 and bias_offset == 0
+    assert columns_per_load == (4 if vector_loads else 1), launched
+    check_forward(*run(), x, weight, bias, 2.0)
 
 
+@pytest.mark.profiler
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-@pytest.mark.parametrize("bias_offset", [1, 2, 3])
+@pytest.mark.parametrize("bias_offset", [0, 1, 2, 3, 4])
 def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(dtype, bias_offset):
     # A warp per row reads 4 columns of the bias at once where its start allows (8 bytes in a
-    # half type); a view 1-3 elements into its storage must take the scalar loads.
-    x, weight, bias = _exact_half_inputs(2000, 40, 300, dtype)
+    # half type: offsets 0 and 4); a view 1-3 elements into its storage must take scalar loads.
+    x, weight, bias = _exact_half_inputs(4096, 40, 300, dtype)
     padded = torch.cat([torch.full((bias_offset,), float("nan"), device=DEVICE, dtype=dtype), bias])
-    _assert_half_equals_float32_path(x, weight, padded[bias_offset:], 1.7)
+    bias = padded[bias_offset:]
+    launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, 1.7))
+    assert launched == {(32, 1, 1 if bias_offset % 4 else 4)}, launched
+    _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
