@@ -4,6 +4,7 @@
     python benchmarks/bench_forward.py --skip-compile  # no torch.compile peers (fast)
     python benchmarks/bench_forward.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile
     python benchmarks/bench_forward.py --out r.json    # the rows as JSON too
+    python benchmarks/bench_forward.py --cuda-graph    # CUDA-graph replays (no host time)
 
 Impls (weights from torch.manual_seed(seed); Model(K, O, k, s), the same for all):
   ref_eager     Model (nn.Linear -> AvgPool1d -> gelu -> * s -> max)
@@ -18,7 +19,9 @@ Impls (weights from torch.manual_seed(seed); Model(K, O, k, s), the same for all
                 under no_grad)
 Each row: median time (us), rel err and max abs err vs a float64 Model run of the same weights,
 allclose (atol = rtol = 1e-4 in float32) vs the float32 Model, and on CUDA call_mem_mb: the memory
-one call allocates beyond what is resident.
+one call allocates beyond what is resident (an eager call's, also with --cuda-graph). With
+--cuda-graph the timed and checked call is a replay of the impl's call captured as a CUDA graph:
+rows of their own (launch "graph"), with their own tables.
 """
 
 from __future__ import annotations
@@ -137,7 +140,10 @@ def measure(ctx, fn, x, ref, time_us):
     fn(x)  # compiles (compile peers), folds and caches (ours_model)
     common.synchronize(ctx.device)
     first_call_s = time.perf_counter() - t0
-    out = fn(x)  # the steady-state path is the one checked
+    call = lambda: fn(x)  # noqa: E731
+    if ctx.args.cuda_graph:
+        call = common.cuda_graph_call(call)
+    out = call()  # the steady-state path, the one timed, is the one checked
     common.synchronize(ctx.device)
     row = common.error_metrics(out, ref["out64"])
     tol = common.ALLCLOSE_TOL[ctx.args.dtype]
@@ -154,7 +160,7 @@ def measure(ctx, fn, x, ref, time_us):
         torch.cuda.synchronize(ctx.device)
         peak = torch.cuda.max_memory_allocated(ctx.device)
         row["call_mem_mb"] = round((peak - before) / 2**20, 1)
-    row["median_us"] = time_us(lambda: fn(x))
+    row["median_us"] = time_us(call)
     row["first_call_s"] = round(first_call_s, 3)
     return row
 

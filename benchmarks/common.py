@@ -53,10 +53,15 @@ FLOAT32_CUDA_ONLY = ("fold_tail",)
 MODES = ("forward", "train")
 
 DEFAULT_BATCHES = [1, 16, 128, 1024, 4096]
-DEFAULT_SHAPE = dict(K=8192, O=8192, k=16, scale=2.0, dtype="float32", x="rand")
+DEFAULT_SHAPE = dict(K=8192, O=8192, k=16, scale=2.0, dtype="float32", x="rand", launch="eager")
 # x's distribution (benchmark_x): torch.rand, KernelBench's inputs, or torch.randn. It moves the
 # rows' arg-maxes (rand crowds them onto few columns), which ours' backward sees.
 X_DISTRIBUTIONS = ("rand", "randn")
+# How a timed call reaches the GPU: "eager" (the impl's Python and launches, each time), or
+# "graph" (bench_forward.py --cuda-graph: a CUDA-graph replay of the call, the GPU's work alone,
+# which a slow host cannot stretch). Part of a row's configuration: the two never replace each
+# other, and each gets its own tables.
+LAUNCHES = ("eager", "graph")
 
 # A float32 row counts as "float32-accurate" (is_accurate) when its relative error against float64,
 # and in training each gradient's, is at most this. Float32 cuBLAS/compile peers measure ~3e-7 at
@@ -102,10 +107,10 @@ def finite_or_none(value):
 
 
 def config_key(row: dict) -> tuple:
-    """The shape of a row's run: K, O, k, scale, dtype and x's distribution (rows from before the
-    field existed are x ~ rand)."""
+    """The configuration of a row's run: K, O, k, scale, dtype, x's distribution and the launch
+    (rows from before those fields existed are x ~ rand, eager)."""
     return (row.get("K"), row.get("O"), row.get("k"), row.get("scale"), row.get("dtype"),
-            row.get("x", DEFAULT_SHAPE["x"]))
+            row.get("x", DEFAULT_SHAPE["x"]), row.get("launch", DEFAULT_SHAPE["launch"]))
 
 
 def row_key(row: dict) -> tuple:
@@ -141,7 +146,7 @@ def is_accurate(row: dict, threshold: float = ACCURATE_REL_ERR) -> bool:
 ROW_FIELDS = [
     "impl", "mode", "B", "median_us", "rel_err_fp64", "max_abs_err", "peak_mem_mb",
     "peak_mem_total_mb", "allclose_ref", "grad_rel_err_fp64", "first_call_s",
-    "K", "O", "k", "scale", "dtype", "x", "date", "run_id", "error",
+    "K", "O", "k", "scale", "dtype", "x", "launch", "date", "run_id", "error",
 ]
 
 
@@ -328,9 +333,11 @@ def markdown_tables(rows: List[dict], mode: str, threshold: float = ACCURATE_REL
 
 
 def shape_text(row: dict) -> str:
+    graph = row.get("launch", DEFAULT_SHAPE["launch"]) == "graph"
     return (
         f"K = {row.get('K')}, O = {row.get('O')}, k = {row.get('k')}, s = {row.get('scale')}, "
         f"{row.get('dtype')}, x ~ {row.get('x', DEFAULT_SHAPE['x'])}"
+        + (", CUDA-graph replays" if graph else "")
     )
 
 
@@ -392,6 +399,30 @@ def free_memory(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def cuda_graph_call(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn captured as a CUDA graph, after three calls on a side stream (torch.cuda.graphs' warm-up
+    rule: lazy initialisations, cuBLAS workspaces and compilations happen outside the capture).
+    Returns a callable that replays the graph and returns the output tensor the capture made,
+    which every replay overwrites."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
 
 
 def kernel_device_times(fn: Callable[[], None], calls: int,
@@ -530,6 +561,11 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_SHAPE["dtype"])
     p.add_argument("--x-distribution", choices=X_DISTRIBUTIONS, default=DEFAULT_SHAPE["x"],
                    help="x ~ torch.rand (KernelBench's inputs) or torch.randn")
+    if mode == "forward":
+        p.add_argument("--cuda-graph", action="store_true",
+                       help="time CUDA-graph replays of each impl's call (captured once per B "
+                            "after its warm-up calls; the output checked is the replay's): the "
+                            "GPU's work without the host's Python and launches (CUDA only)")
     p.add_argument("--impls", nargs="+", choices=impl_choices, default=None,
                    help="subset of impls to run (default: all; on the CPU or in another dtype "
                         "than float32 all but " + ", ".join(FLOAT32_CUDA_ONLY) + ")")
@@ -553,7 +589,10 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
                    help="results JSON to merge into (default: benchmarks/results/<gpu>.json)")
     p.add_argument("--no-save", action="store_true", help="print only, write no results file")
     args = p.parse_args(argv)
+    args.cuda_graph = getattr(args, "cuda_graph", False)
     args.device = resolve_device(args.device)
+    if args.cuda_graph and args.device.type != "cuda":
+        p.error(f"--cuda-graph needs a CUDA device, got --device {args.device.type}")
     if args.impls is None:
         args.impls = default_impls(impl_choices, args.device.type, args.dtype)
     if args.skip_compile:
@@ -693,7 +732,8 @@ def run_benchmark(
     out_path = None if args.no_save else (args.out or default_results_path(device))
     run_id = now_iso()
     shape = {"K": args.in_features, "O": args.out_features, "k": args.pool,
-             "scale": args.scale, "dtype": args.dtype, "x": args.x_distribution}
+             "scale": args.scale, "dtype": args.dtype, "x": args.x_distribution,
+             "launch": "graph" if args.cuda_graph else "eager"}
     header = {"device": dev_name, "date": run_id, "torch": torch.__version__}
     run_meta = {
         "run_id": run_id,

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build from source there, then the requested stages.
 #   scripts/device_run.sh build test test-cuda test-slow test-all test-certified sanitize profile
-#                         profile-certified profile-shapes bench-ours bench-forward bench-train
+#                         profile-certified profile-shapes bench-ours bench-forward
+#                         bench-forward-graph bench-train
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
+# BENCH_DTYPES="float32 bfloat16 float16" runs bench-forward / bench-forward-graph (CUDA-graph
+# replays) once per dtype (default float32); BENCH_ARGS adds arguments to every benchmark stage.
 # The benchmarks' results record the commit timed: pass it as FUSED_POOL_GELU_GIT_REVISION=<commit>
 # (the device copy's git metadata is stale, so `git rev-parse` there names an older commit).
 set -uo pipefail
@@ -81,14 +84,19 @@ for stage in "$@"; do
       run_stage bench-ours /tmp python3 "$ROOT/benchmarks/bench_forward.py" --skip-compile \
         --impls fold_eager ours_op ours_model --out "$OUT/bench-ours.json"
       ;;
-    bench-forward)
+    bench-forward|bench-forward-graph)
       warn_unnamed_revision
-      run_stage bench-forward /tmp python3 "$ROOT/benchmarks/bench_forward.py" --out "$RESULTS"
+      graph=(); [[ $stage == bench-forward-graph ]] && graph=(--cuda-graph)
+      for dtype in ${BENCH_DTYPES:-float32}; do
+        run_stage "$stage-$dtype" /tmp python3 "$ROOT/benchmarks/bench_forward.py" \
+          --dtype "$dtype" "${graph[@]}" ${BENCH_ARGS:-} --out "$RESULTS"
+      done
       cp "$RESULTS" "$OUT/"
       ;;
     bench-train)
       warn_unnamed_revision
-      run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" --out "$RESULTS"
+      run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" ${BENCH_ARGS:-} \
+        --out "$RESULTS"
       cp "$RESULTS" "$OUT/"
       ;;
     *) note "unknown stage $stage" ;;

@@ -170,3 +170,51 @@ def test_float32_cuda_peers_are_left_out_of_a_cpu_or_half_type_runs_default_impl
         assert "fold_tail" not in chosen and "ours_op" in chosen and "fold_eager" in chosen
     chosen = common.parse_args("forward", impls, 1.0, ["--device", "cpu", "--impls", "fold_tail"])
     assert chosen.impls == ["fold_tail"]  # asked for by name: kept, and its row says why it fails
+
+
+def test_graph_replay_rows_are_a_configuration_of_their_own(tmp_path):
+    path = tmp_path / "results.json"
+    old_eager = {k: v for k, v in _row("ours_op", 1, 12.0, run_id="run-a").items()}
+    assert "launch" not in old_eager  # a row from before the field: eager
+    common.merge_rows(path, [old_eager], {"device": "gpu"}, "forward", {"run_id": "run-a"})
+    graph = _row("ours_op", 1, 8.0, run_id="run-b", launch="graph")
+    common.merge_rows(path, [graph], {"device": "gpu"}, "forward", {"run_id": "run-b"})
+    rows = json.loads(path.read_text())["rows"]
+    assert sorted(r.get("launch", "eager") for r in rows) == ["eager", "graph"]
+    eager = _row("ours_op", 1, 11.0, run_id="run-c", launch="eager")
+    data = common.merge_rows(path, [eager], {"device": "gpu"}, "forward", {"run_id": "run-c"})
+    assert sorted((r["launch"], r["median_us"]) for r in data["rows"]) == [
+        ("eager", 11.0), ("graph", 8.0)]
+    markdown = _load("plot").markdown(data, "results.json")
+    assert markdown.count("Shape: ") == 2
+    assert "x ~ rand, CUDA-graph replays." in markdown and "x ~ rand." in markdown
+
+
+def test_cuda_graph_replays_need_a_cuda_device():
+    impls = _load("bench_forward").IMPLS
+    with pytest.raises(SystemExit):
+        common.parse_args("forward", impls, 1.0, ["--device", "cpu", "--cuda-graph"])
+    with pytest.raises(SystemExit):  # not an option of the training benchmark
+        common.parse_args("train", impls, 1.0, ["--device", "cpu", "--cuda-graph"])
+
+
+@pytest.mark.cuda
+@pytest.mark.graphs
+def test_cuda_graph_replays_are_timed_and_checked(tmp_path, monkeypatch):
+    bench = _load("bench_forward")
+    path = tmp_path / "results.json"
+    argv = ["--batches", "1", "5", "-K", "96", "-O", "64", "-k", "4", "--impls", "fold_eager",
+            "ours_op", "ours_model", "--warmup", "1", "--rep", "5", "--out", str(path)]
+    assert bench.main(argv + ["--cuda-graph"]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 6 and all(r["launch"] == "graph" for r in rows)
+    assert all(common.is_accurate(r) for r in rows), rows
+    # The replay's output is what is checked: one that computes the wrong numbers fails its row.
+    build = bench.BUILDERS["ours_op"]
+
+    def build_wrong(ctx):
+        fn = build(ctx)
+        return lambda x: fn(x) * 1.01
+
+    monkeypatch.setitem(bench.BUILDERS, "ours_op", build_wrong)
+    assert bench.main(argv[:-2] + ["--no-save", "--impls", "ours_op", "--cuda-graph"]) == 1
