@@ -38,8 +38,11 @@ def group_by_config(rows):
     for r in rows:
         groups[common.config_key(r)].append(r)
     default = common.config_key(common.DEFAULT_SHAPE)
-    # The default shape first, then by number of rows.
-    return sorted(groups.items(), key=lambda kv: (kv[0] != default, -len(kv[1]), str(kv[0])))
+    # The default configuration first, then the rest of float32, then the other dtypes; within a
+    # shape and dtype, eager before graph replays.
+    dtype_at = common.config_key(dict(common.DEFAULT_SHAPE, dtype="#")).index("#")
+    return sorted(groups.items(), key=lambda kv: (
+        kv[0] != default, kv[0][dtype_at] != default[dtype_at], str(kv[0])))
 
 
 def markdown(data: dict, source: str) -> str:
@@ -64,6 +67,10 @@ def markdown(data: dict, source: str) -> str:
     for config, config_rows in group_by_config(rows):
         lines.append("")
         lines.append(f"Shape: {common.shape_text(config_rows[0])}.")
+        if config_rows[0].get("launch") == "graph":
+            lines.append("ours_model captured in a CUDA graph refolds the weight at every replay, "
+                         "so that the graph follows parameter updates (docs/training.md, \"CUDA "
+                         "graphs\"); ours_op replays the op on weights folded once.")
         for mode in common.MODES:
             mode_rows = [r for r in config_rows if r["mode"] == mode]
             if not mode_rows:

@@ -756,6 +756,26 @@ def test_cuda_graph_replay_of_model_new_under_no_grad_equals_eager(batch, captur
 
 
 @pytest.mark.graphs
+@pytest.mark.parametrize("batch", [8, 128, 1024])
+def test_cuda_graph_of_the_op_on_weights_folded_once_equals_model_new(batch, capture_graph):
+    # docs/training.md's pattern for fixed weights: the op captured on ModelNew's folded
+    # parameters and their prepared copy (N x K = 2^22: the certified path at 128 and 1024 rows),
+    # the same bits as ModelNew's eager calls, which read the same cache.
+    _, new = _models(8192, 512, 1, 2.0, seed=6)
+    static_x = torch.rand(batch, 8192, device=DEVICE)
+    with torch.no_grad():
+        pooled_weight, pooled_bias = new.folded_parameters()
+        prepared_weight = fused_pool_gelu.prepare_weight(pooled_weight)
+        graph, static_out = capture_graph(lambda: fused_pool_gelu.forward(
+            static_x, pooled_weight, pooled_bias, new.scale_factor, prepared_weight))
+        for _ in range(2):
+            fresh = torch.rand_like(static_x)
+            static_x.copy_(fresh)
+            graph.replay()
+            assert torch.equal(static_out, new(fresh))
+
+
+@pytest.mark.graphs
 def test_cuda_graph_capture_of_a_training_step_equals_eager(make_inputs, capture_graph):
     x, weight, bias = make_inputs(512, 1024, 256, torch.float32, DEVICE)
     weight, bias = weight.requires_grad_(True), bias.requires_grad_(True)
