@@ -1467,9 +1467,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
       }
       launch_gemm(plan, x_slice, w_op, workspace.data_ptr<float>(), rows, n, k_padded, stream);
     }
-    // The epilogue follows our GEMMs as their programmatic dependent where the device supports it.
-    // Not cuBLAS's: whether its kernels let a dependent start early is theirs, and unmeasured.
-    const bool pdl = info.dependent_launch && splits > 0 && !half_gemm;
+    // The epilogue is the programmatic dependent of the GEMM before it where the device supports
+    // it, cuBLAS's too: it waits for that grid's completion (griddepcontrol.wait) before reading z,
+    // whatever the GEMM signals, so only its launch and set-up overlap the GEMM's tail.
+    const bool pdl = info.dependent_launch && splits > 0;
     EpilogueParams p{};
     p.partial = splits > 0 ? workspace.data_ptr<float>() : nullptr;
     p.split_stride = rows * n;
