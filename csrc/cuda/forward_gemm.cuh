@@ -540,14 +540,8 @@ __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const Gem
     }
   }
   __syncthreads();
-  if (tid < kBatch * kRowwiseRows) {
-    const int b = tid / kRowwiseRows;
-    const int r = tid % kRowwiseRows;
-    float sum = warp_sums[0][b][r];
-#pragma unroll
-    for (int w = 1; w < kRowwiseWarps; ++w) sum += warp_sums[w][b][r];
-    if (b < p.rows && n0 + r < p.n) p.partial[b * p.n + n0 + r] = sum;
-  }
+  store_warp_sums<kRowwiseWarps, kBatch, kRowwiseRows, kRowwiseRows, kRowwiseThreads>(
+      p, &warp_sums[0][0][0], tid, /*split=*/0, /*b0=*/0, n0);
 }
 
 // ------------------------------------------------------------------------------------------------
