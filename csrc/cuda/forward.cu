@@ -236,11 +236,12 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 // the CTA-per-row kernel (DeviceInfo::epilogue_one_split_ctas_per_sm per SM; wide rows keep the
 // wide-row kernel, not measured against a warp per row). Within one wave every row's loads are in
 // flight at once; beyond it each wave of one load, one barrier and one store per CTA adds ~4 us,
-// while a warp per row keeps 8 scalar loads in flight per lane, two rounds at N = 512 (or 16
-// columns in 4 loads of 16 bytes, one round, where N % 4 == 0 and the bias's start allows). On
-// the H200, bfloat16, N = 512 (NOTES, 2026-12-01): CTA per row 3.5 / 4.8 us at 512 / 1024 rows
-// (one wave: 1056) and 16.1 at 4096 (four); warp per row, scalar loads, 6.8 / 7.0 / 7.7 / 9.9 at
-// 512 / 1024 / 2048 / 4096.
+// while a warp per row keeps 8 scalar loads in flight per lane, two rounds at N = 512, or, where
+// N % 4 == 0 and the bias's start allows, 16 columns per lane in one round (4 columns per load:
+// 16 bytes of z, 16 or 8 of the bias). On the H200, bfloat16, N = 512 (NOTES, 2026-12-01): CTA
+// per row 3.5 / 4.8 us at 512 / 1024 rows (one wave: 1056) and 16.1 at 4096 (four); warp per row
+// 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096 with scalar loads, 4.9 / 8.0 at 2048 / 4096
+// with 4 columns per load.
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
@@ -1375,11 +1376,8 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
       (p.splits == 1 && p.n < kEpilogueWideRowMinColumns && p.batch > one_wave_rows)) {
     // A row of one split in 16-byte loads where they stay aligned: N % 4 == 0 keeps every row's
     // start at the workspace's alignment, and the bias's own start must allow 4 columns at once.
-    auto aligned = [](const void* ptr, size_t bytes) {
-      return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
-    };
-    if (p.splits == 1 && p.n % 4 == 0 && aligned(p.partial, 4 * sizeof(float)) &&
-        (p.bias == nullptr || aligned(p.bias, 4 * sizeof(out_t)))) {
+    if (p.splits == 1 && p.n % 4 == 0 && is_aligned(p.partial, 4 * sizeof(float)) &&
+        (p.bias == nullptr || is_aligned(p.bias, 4 * sizeof(out_t)))) {
       launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{},
              std::integral_constant<int, 4>{});
     } else {
@@ -1507,8 +1505,8 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
               kCertifiedMaxInFeatures, " and a finite non-zero scale), got ", x.scalar_type(),
               " x and ", weight.scalar_type(), " weight, batch ", batch, ", N ", n, ", K ",
               x.size(1), ", scale ", scale);
-  at::Tensor bias_f32;
-  if (bias.has_value()) bias_f32 = bias->to(at::kFloat).contiguous();
+  at::Tensor bias_contiguous;  // float32, as x (certified_applies)
+  if (bias.has_value()) bias_contiguous = bias->contiguous();
   const Operand x_op = as_kernel_operand(x, k_padded);
   const Operand w_op = as_kernel_operand(weight, k_padded);
   // The forward's outputs are not returned: the counts are the selection's.
@@ -1516,7 +1514,8 @@ at::Tensor certified_candidate_counts_cuda(const at::Tensor& x, const at::Tensor
   at::Tensor argmax = at::empty({batch}, x.options().dtype(at::kLong));
   at::Tensor preactivation = at::empty({batch}, x.options());
   const Selection selection = certified_forward(
-      info, x_op, w_op, nullptr, bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr,
+      info, x_op, w_op, nullptr,
+      bias_contiguous.defined() ? bias_contiguous.const_data_ptr<float>() : nullptr,
       static_cast<float>(scale), batch, n, k_padded, x.options(),
       CertifiedOutputs{out.data_ptr<float>(), argmax.data_ptr<int64_t>(),
                        preactivation.data_ptr<float>()},
