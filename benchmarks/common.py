@@ -402,21 +402,12 @@ def free_memory(device) -> None:
 
 
 def cuda_graph_call(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn captured as a CUDA graph, after three calls on a side stream (torch.cuda.graphs' warm-up
-    rule: lazy initialisations, cuBLAS workspaces and compilations happen outside the capture).
-    Returns a callable that replays the graph and returns the output tensor the capture made,
-    which every replay overwrites."""
-    import torch
+    """fn captured as a CUDA graph (fused_pool_gelu.timing.capture_cuda_graph); returns a callable
+    that replays the graph and returns the output tensor the capture made, which every replay
+    overwrites."""
+    from fused_pool_gelu.timing import capture_cuda_graph
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture_cuda_graph(fn)
 
     def replay():
         graph.replay()
@@ -593,6 +584,10 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     args.device = resolve_device(args.device)
     if args.cuda_graph and args.device.type != "cuda":
         p.error(f"--cuda-graph needs a CUDA device, got --device {args.device.type}")
+    if args.cuda_graph and args.compile_mode in ("reduce-overhead", "max-autotune"):
+        p.error(f"--cuda-graph captures every call itself; --compile-mode {args.compile_mode} "
+                "would capture CUDA graphs inside that capture (use the default mode or "
+                '"max-autotune-no-cudagraphs")')
     if args.impls is None:
         args.impls = default_impls(impl_choices, args.device.type, args.dtype)
     if args.skip_compile:

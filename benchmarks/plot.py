@@ -38,11 +38,20 @@ def group_by_config(rows):
     for r in rows:
         groups[common.config_key(r)].append(r)
     default = common.config_key(common.DEFAULT_SHAPE)
-    # The default configuration first, then the rest of float32, then the other dtypes; within a
-    # shape and dtype, eager before graph replays.
-    dtype_at = common.config_key(dict(common.DEFAULT_SHAPE, dtype="#")).index("#")
-    return sorted(groups.items(), key=lambda kv: (
-        kv[0] != default, kv[0][dtype_at] != default[dtype_at], str(kv[0])))
+
+    # The default shape's float32 tables first (eager, then graph replays), then its other dtypes,
+    # then other shapes, the most rows first; numbers compared as numbers.
+    def order(item):
+        config, config_rows = item
+        row = config_rows[0]
+        default_shape = all(row.get(key) == common.DEFAULT_SHAPE[key]
+                            for key in ("K", "O", "k", "scale", "x"))
+        return (not default_shape, -len(config_rows) if not default_shape else 0,
+                row.get("dtype") != "float32", str(row.get("dtype")),
+                tuple(float(row.get(key) or 0) for key in ("K", "O", "k", "scale")),
+                str(row.get("x")), row.get("launch", "eager") != "eager")
+
+    return sorted(groups.items(), key=order)
 
 
 def markdown(data: dict, source: str) -> str:
@@ -67,7 +76,8 @@ def markdown(data: dict, source: str) -> str:
     for config, config_rows in group_by_config(rows):
         lines.append("")
         lines.append(f"Shape: {common.shape_text(config_rows[0])}.")
-        if config_rows[0].get("launch") == "graph":
+        if config_rows[0].get("launch") == "graph" and any(
+                r["impl"] == "ours_model" for r in config_rows):
             lines.append("ours_model captured in a CUDA graph refolds the weight at every replay, "
                          "so that the graph follows parameter updates (docs/training.md, \"CUDA "
                          "graphs\"); ours_op replays the op on weights folded once.")

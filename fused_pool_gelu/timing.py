@@ -28,6 +28,25 @@ def make_timer(device, warmup_ms: float, rep_ms: float):
     return (lambda fn: _cpu_bench(fn, warmup_ms, rep_ms) * 1e3, "time.perf_counter, median")
 
 
+def capture_cuda_graph(fn):
+    """fn captured into a CUDA graph after three calls on a side stream (torch.cuda.graphs' warm-up
+    rule: lazy initialisations, cuBLAS workspaces and compilations happen outside the capture).
+    Returns (graph, fn's outputs from the capture): every replay recomputes those tensors in
+    place; they hold nothing until the first replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
 def l2_flush_buffer(device="cuda"):
     """The buffer triton.testing.do_bench zeroes before every run (256 MB, as KernelBench does):
     zeroing it leaves the L2 full of dirty lines. Every timer and profiler here flushes with it,

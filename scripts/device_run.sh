@@ -5,7 +5,8 @@
 #                         bench-forward-graph bench-train
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
 # BENCH_DTYPES="float32 bfloat16 float16" runs bench-forward / bench-forward-graph (CUDA-graph
-# replays) once per dtype (default float32); BENCH_ARGS adds arguments to every benchmark stage.
+# replays) once per dtype (default float32); BENCH_ARGS (split on spaces) adds arguments to those
+# and to bench-train: not --dtype or --cuda-graph, which the stages set.
 # The benchmarks' results record the commit timed: pass it as FUSED_POOL_GELU_GIT_REVISION=<commit>
 # (the device copy's git metadata is stale, so `git rev-parse` there names an older commit).
 set -uo pipefail
@@ -15,6 +16,7 @@ mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 summary=()
+read -r -a bench_args <<< "${BENCH_ARGS:-}"
 # Benchmarks merge their rows into the committed results file; a copy comes back in $OUT.
 RESULTS="$ROOT/benchmarks/results/nvidia-h200.json"
 note() { summary+=("$1"); echo "== $1"; }
@@ -86,17 +88,18 @@ for stage in "$@"; do
       ;;
     bench-forward|bench-forward-graph)
       warn_unnamed_revision
-      graph=(); [[ $stage == bench-forward-graph ]] && graph=(--cuda-graph)
+      launch=(); [[ $stage == bench-forward-graph ]] && launch=(--cuda-graph)
       for dtype in ${BENCH_DTYPES:-float32}; do
         run_stage "$stage-$dtype" /tmp python3 "$ROOT/benchmarks/bench_forward.py" \
-          --dtype "$dtype" "${graph[@]}" ${BENCH_ARGS:-} --out "$RESULTS"
+          --dtype "$dtype" ${launch[@]+"${launch[@]}"} ${bench_args[@]+"${bench_args[@]}"} \
+          --out "$RESULTS"
       done
       cp "$RESULTS" "$OUT/"
       ;;
     bench-train)
       warn_unnamed_revision
-      run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" ${BENCH_ARGS:-} \
-        --out "$RESULTS"
+      run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" \
+        ${bench_args[@]+"${bench_args[@]}"} --out "$RESULTS"
       cp "$RESULTS" "$OUT/"
       ;;
     *) note "unknown stage $stage" ;;

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_pool_gelu
+from fused_pool_gelu.timing import capture_cuda_graph
 
 
 def _cuda_skip_reason():
@@ -276,21 +277,7 @@ def check_forward():
     return _check_forward
 
 
-def _capture_graph(fn):
-    """Warm fn up on a side stream, then capture it into a CUDA graph: (graph, fn's outputs, not
-    computed until the first replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
-
-
 @pytest.fixture
 def capture_graph():
-    return _capture_graph
+    """fused_pool_gelu.timing.capture_cuda_graph: (graph, fn's outputs, computed by each replay)."""
+    return capture_cuda_graph

@@ -174,7 +174,7 @@ def test_float32_cuda_peers_are_left_out_of_a_cpu_or_half_type_runs_default_impl
 
 def test_graph_replay_rows_are_a_configuration_of_their_own(tmp_path):
     path = tmp_path / "results.json"
-    old_eager = {k: v for k, v in _row("ours_op", 1, 12.0, run_id="run-a").items()}
+    old_eager = _row("ours_op", 1, 12.0, run_id="run-a")
     assert "launch" not in old_eager  # a row from before the field: eager
     common.merge_rows(path, [old_eager], {"device": "gpu"}, "forward", {"run_id": "run-a"})
     graph = _row("ours_op", 1, 8.0, run_id="run-b", launch="graph")
@@ -190,17 +190,29 @@ def test_graph_replay_rows_are_a_configuration_of_their_own(tmp_path):
     assert "x ~ rand, CUDA-graph replays." in markdown and "x ~ rand." in markdown
 
 
-def test_cuda_graph_replays_need_a_cuda_device():
+def test_cuda_graph_replays_need_a_cuda_device_and_no_compiled_graphs(capsys):
     impls = _load("bench_forward").IMPLS
-    with pytest.raises(SystemExit):
-        common.parse_args("forward", impls, 1.0, ["--device", "cpu", "--cuda-graph"])
-    with pytest.raises(SystemExit):  # not an option of the training benchmark
-        common.parse_args("train", impls, 1.0, ["--device", "cpu", "--cuda-graph"])
+
+    def refusal(mode, *argv):
+        with pytest.raises(SystemExit):
+            common.parse_args(mode, impls, 1.0, list(argv))
+        return capsys.readouterr().err
+
+    assert "--cuda-graph needs a CUDA device, got --device cpu" in refusal(
+        "forward", "--device", "cpu", "--cuda-graph")
+    # Not an option of the training benchmark.
+    assert "unrecognized arguments: --cuda-graph" in refusal(
+        "train", "--device", "cpu", "--cuda-graph")
+    if common.resolve_device(None).type == "cuda":
+        assert "would capture CUDA graphs inside that capture" in refusal(
+            "forward", "--cuda-graph", "--compile-mode", "reduce-overhead")
 
 
 @pytest.mark.cuda
 @pytest.mark.graphs
 def test_cuda_graph_replays_are_timed_and_checked(tmp_path, monkeypatch):
+    import torch
+
     bench = _load("bench_forward")
     path = tmp_path / "results.json"
     argv = ["--batches", "1", "5", "-K", "96", "-O", "64", "-k", "4", "--impls", "fold_eager",
@@ -209,12 +221,13 @@ def test_cuda_graph_replays_are_timed_and_checked(tmp_path, monkeypatch):
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == 6 and all(r["launch"] == "graph" for r in rows)
     assert all(common.is_accurate(r) for r in rows), rows
-    # The replay's output is what is checked: one that computes the wrong numbers fails its row.
+    # The replay's output is what is checked: an op whose captured calls alone compute the wrong
+    # numbers (its eager ones are right) fails its rows.
     build = bench.BUILDERS["ours_op"]
 
     def build_wrong(ctx):
         fn = build(ctx)
-        return lambda x: fn(x) * 1.01
+        return lambda x: fn(x) * (1.01 if torch.cuda.is_current_stream_capturing() else 1.0)
 
     monkeypatch.setitem(bench.BUILDERS, "ours_op", build_wrong)
     assert bench.main(argv[:-2] + ["--no-save", "--impls", "ours_op", "--cuda-graph"]) == 1

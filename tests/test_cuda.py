@@ -684,7 +684,8 @@ def test_one_split_epilogue_over_many_rows_matches_float64(
 def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(dtype, bias_offset):
     # A warp per row reads 4 columns of the bias at once where its start allows (8 bytes in a
     # half type: offsets 0 and 4); a view 1-3 elements into its storage must take scalar loads.
-    x, weight, bias = _exact_half_inputs(4096, 40, 300, dtype)
+    # kEpilogueWarpPerRowMinBatch rows: a warp per row on any GPU, whatever one wave holds.
+    x, weight, bias = _exact_half_inputs(8192, 40, 300, dtype)
     padded = torch.cat([torch.full((bias_offset,), float("nan"), device=DEVICE, dtype=dtype), bias])
     bias = padded[bias_offset:]
     launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, 1.7))
@@ -756,6 +757,7 @@ def test_cuda_graph_replay_of_model_new_under_no_grad_equals_eager(batch, captur
 
 
 @pytest.mark.graphs
+@pytest.mark.profiler
 @pytest.mark.parametrize("batch", [8, 128, 1024])
 def test_cuda_graph_of_the_op_on_weights_folded_once_equals_model_new(batch, capture_graph):
     # docs/training.md's pattern for fixed weights: the op captured on ModelNew's folded
@@ -766,8 +768,11 @@ def test_cuda_graph_of_the_op_on_weights_folded_once_equals_model_new(batch, cap
     with torch.no_grad():
         pooled_weight, pooled_bias = new.folded_parameters()
         prepared_weight = fused_pool_gelu.prepare_weight(pooled_weight)
-        graph, static_out = capture_graph(lambda: fused_pool_gelu.forward(
-            static_x, pooled_weight, pooled_bias, new.scale_factor, prepared_weight))
+        call = lambda: fused_pool_gelu.forward(  # noqa: E731
+            static_x, pooled_weight, pooled_bias, new.scale_factor, prepared_weight)
+        certified = any("certified" in name for name in _kernels_run(call))
+        assert certified == (batch > 8 and _has_wgmma_gemm())
+        graph, static_out = capture_graph(call)
         for _ in range(2):
             fresh = torch.rand_like(static_x)
             static_x.copy_(fresh)
