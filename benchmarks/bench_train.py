@@ -4,6 +4,7 @@
     python benchmarks/bench_train.py --skip-compile
     python benchmarks/bench_train.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile
     python benchmarks/bench_train.py --out r.json      # the rows as JSON too
+    python benchmarks/bench_train.py --cuda-graph      # CUDA-graph replays of each step
 
 One step = grads set to None (weight, bias, x), forward, out.sum().backward() producing the
 gradients of weight, bias and x. Impls (each with its own copy of the parameters):
@@ -20,7 +21,10 @@ reference), and peak memory of one step (CUDA):
                   + bytes of the impl's parameters and of x
 i.e. parameters + input + everything the step allocates (activations, grads, workspaces),
 independent of what the harness holds (references, other inputs). peak_mem_total_mb is the raw
-torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), harness included.
+torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), harness included. Both are an
+eager step's, also with --cuda-graph, where the timed and checked step is a replay of one
+captured as a CUDA graph (the grads set to None before the capture, so that the captured backward
+writes them, in the graph's memory, instead of adding to them: docs/training.md, "CUDA graphs").
 """
 
 from __future__ import annotations
@@ -158,6 +162,12 @@ def measure(ctx, impl, x, ref, time_us):
         row["peak_mem_total_mb"] = round(peak / 2**20, 1)
     else:
         out = step()
+    call = step
+    if ctx.args.cuda_graph:
+        del out
+        call = common.cuda_graph_call(step)
+        out = call()  # the replay's output and gradients are the ones checked
+        torch.cuda.synchronize(device)
     row.update(common.error_metrics(out, ref["out64"]))
     tol = common.ALLCLOSE_TOL[ctx.args.dtype]
     row["allclose_ref"] = bool(
@@ -169,7 +179,7 @@ def measure(ctx, impl, x, ref, time_us):
         "x": common.rel_err(x_leaf.grad, ref["grad_x"]),
     }
     del out
-    row["median_us"] = time_us(step)
+    row["median_us"] = time_us(call)
     for t in tensors:
         t.grad = None
     row["first_call_s"] = round(first_call_s, 3)

@@ -58,7 +58,7 @@ DEFAULT_SHAPE = dict(K=8192, O=8192, k=16, scale=2.0, dtype="float32", x="rand",
 # rows' arg-maxes (rand crowds them onto few columns), which ours' backward sees.
 X_DISTRIBUTIONS = ("rand", "randn")
 # How a timed call reaches the GPU: "eager" (the impl's Python and launches, each time), or
-# "graph" (bench_forward.py --cuda-graph: a CUDA-graph replay of the call, the GPU's work alone,
+# "graph" (--cuda-graph: a CUDA-graph replay of the call or training step, the GPU's work alone,
 # which a slow host cannot stretch). Part of a row's configuration: the two never replace each
 # other, and each gets its own tables.
 LAUNCHES = ("eager", "graph")
@@ -552,11 +552,11 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
     p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_SHAPE["dtype"])
     p.add_argument("--x-distribution", choices=X_DISTRIBUTIONS, default=DEFAULT_SHAPE["x"],
                    help="x ~ torch.rand (KernelBench's inputs) or torch.randn")
-    if mode == "forward":
-        p.add_argument("--cuda-graph", action="store_true",
-                       help="time CUDA-graph replays of each impl's call (captured once per B "
-                            "after its warm-up calls; the output checked is the replay's): the "
-                            "GPU's work without the host's Python and launches (CUDA only)")
+    timed = "call" if mode == "forward" else "training step"
+    p.add_argument("--cuda-graph", action="store_true",
+                   help=f"time CUDA-graph replays of each impl's {timed} (captured once per B "
+                        "after its warm-up calls; the outputs checked are the replay's): the "
+                        "GPU's work without the host's Python and launches (CUDA only)")
     p.add_argument("--impls", nargs="+", choices=impl_choices, default=None,
                    help="subset of impls to run (default: all; on the CPU or in another dtype "
                         "than float32 all but " + ", ".join(FLOAT32_CUDA_ONLY) + ")")
@@ -580,7 +580,6 @@ def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, ar
                    help="results JSON to merge into (default: benchmarks/results/<gpu>.json)")
     p.add_argument("--no-save", action="store_true", help="print only, write no results file")
     args = p.parse_args(argv)
-    args.cuda_graph = getattr(args, "cuda_graph", False)
     args.device = resolve_device(args.device)
     if args.cuda_graph and args.device.type != "cuda":
         p.error(f"--cuda-graph needs a CUDA device, got --device {args.device.type}")

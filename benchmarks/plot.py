@@ -77,10 +77,11 @@ def markdown(data: dict, source: str) -> str:
         lines.append("")
         lines.append(f"Shape: {common.shape_text(config_rows[0])}.")
         if config_rows[0].get("launch") == "graph" and any(
-                r["impl"] == "ours_model" for r in config_rows):
-            lines.append("ours_model captured in a CUDA graph refolds the weight at every replay, "
-                         "so that the graph follows parameter updates (docs/training.md, \"CUDA "
-                         "graphs\"); ours_op replays the op on weights folded once.")
+                r["impl"] == "ours_model" and r["mode"] == "forward" for r in config_rows):
+            lines.append("In the forward tables, ours_model captured in a CUDA graph refolds the "
+                         "weight at every replay, so that the graph follows parameter updates "
+                         "(docs/training.md, \"CUDA graphs\"); ours_op replays the op on "
+                         "weights folded once.")
         for mode in common.MODES:
             mode_rows = [r for r in config_rows if r["mode"] == mode]
             if not mode_rows:

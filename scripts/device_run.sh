@@ -2,11 +2,11 @@
 # One call on the GPU machine: build from source there, then the requested stages.
 #   scripts/device_run.sh build test test-cuda test-slow test-all test-certified sanitize profile
 #                         profile-certified profile-shapes bench-ours bench-forward
-#                         bench-forward-graph bench-train
+#                         bench-forward-graph bench-train bench-train-graph
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
-# BENCH_DTYPES="float32 bfloat16 float16" runs bench-forward / bench-forward-graph (CUDA-graph
-# replays) once per dtype (default float32); BENCH_ARGS (split on spaces) adds arguments to those
-# and to bench-train: not --dtype or --cuda-graph, which the stages set.
+# BENCH_DTYPES="float32 bfloat16 float16" runs each bench-forward* / bench-train* stage once per
+# dtype (default float32); the -graph stages time CUDA-graph replays (--cuda-graph). BENCH_ARGS
+# (split on spaces) adds arguments to them: not --dtype or --cuda-graph, which the stages set.
 # The benchmarks' results record the commit timed: pass it as FUSED_POOL_GELU_GIT_REVISION=<commit>
 # (the device copy's git metadata is stale, so `git rev-parse` there names an older commit).
 set -uo pipefail
@@ -86,20 +86,15 @@ for stage in "$@"; do
       run_stage bench-ours /tmp python3 "$ROOT/benchmarks/bench_forward.py" --skip-compile \
         --impls fold_eager ours_op ours_model --out "$OUT/bench-ours.json"
       ;;
-    bench-forward|bench-forward-graph)
+    bench-forward|bench-forward-graph|bench-train|bench-train-graph)
       warn_unnamed_revision
-      launch=(); [[ $stage == bench-forward-graph ]] && launch=(--cuda-graph)
+      script=bench_forward.py; [[ $stage == bench-train* ]] && script=bench_train.py
+      launch=(); [[ $stage == *-graph ]] && launch=(--cuda-graph)
       for dtype in ${BENCH_DTYPES:-float32}; do
-        run_stage "$stage-$dtype" /tmp python3 "$ROOT/benchmarks/bench_forward.py" \
+        run_stage "$stage-$dtype" /tmp python3 "$ROOT/benchmarks/$script" \
           --dtype "$dtype" ${launch[@]+"${launch[@]}"} ${bench_args[@]+"${bench_args[@]}"} \
           --out "$RESULTS"
       done
-      cp "$RESULTS" "$OUT/"
-      ;;
-    bench-train)
-      warn_unnamed_revision
-      run_stage bench-train /tmp python3 "$ROOT/benchmarks/bench_train.py" \
-        ${bench_args[@]+"${bench_args[@]}"} --out "$RESULTS"
       cp "$RESULTS" "$OUT/"
       ;;
     *) note "unknown stage $stage" ;;

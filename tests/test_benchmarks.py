@@ -200,8 +200,7 @@ def test_cuda_graph_replays_need_a_cuda_device_and_no_compiled_graphs(capsys):
 
     assert "--cuda-graph needs a CUDA device, got --device cpu" in refusal(
         "forward", "--device", "cpu", "--cuda-graph")
-    # Not an option of the training benchmark.
-    assert "unrecognized arguments: --cuda-graph" in refusal(
+    assert "--cuda-graph needs a CUDA device, got --device cpu" in refusal(
         "train", "--device", "cpu", "--cuda-graph")
     if common.resolve_device(None).type == "cuda":
         assert "would capture CUDA graphs inside that capture" in refusal(
@@ -231,3 +230,31 @@ def test_cuda_graph_replays_are_timed_and_checked(tmp_path, monkeypatch):
 
     monkeypatch.setitem(bench.BUILDERS, "ours_op", build_wrong)
     assert bench.main(argv[:-2] + ["--no-save", "--impls", "ours_op", "--cuda-graph"]) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.graphs
+def test_cuda_graph_replays_of_training_steps_are_timed_and_checked(tmp_path, monkeypatch):
+    import torch
+
+    bench = _load("bench_train")
+    path = tmp_path / "results.json"
+    argv = ["--batches", "1", "5", "-K", "96", "-O", "64", "-k", "4", "--impls", "fold_eager",
+            "ours_model", "--warmup", "1", "--rep", "5", "--out", str(path), "--cuda-graph"]
+    assert bench.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 4 and all(r["launch"] == "graph" and r["mode"] == "train" for r in rows)
+    assert all(common.is_accurate(r) for r in rows), rows
+    # The replay's output and gradients are what is checked: a model whose captured steps alone
+    # are off by 1% (its eager ones are right) fails its rows.
+    build = bench.BUILDERS["ours_model"]
+
+    def build_wrong(ctx):
+        impl = build(ctx)
+        forward = impl.forward
+        impl.forward = lambda x: forward(x) * (
+            1.01 if torch.cuda.is_current_stream_capturing() else 1.0)
+        return impl
+
+    monkeypatch.setitem(bench.BUILDERS, "ours_model", build_wrong)
+    assert bench.main(argv[:-3] + ["--no-save", "--impls", "ours_model", "--cuda-graph"]) == 1
