@@ -97,12 +97,41 @@ def model_forward(
 
 
 # ----------------------------------------------------------------------------------------------
-# Fake kernels: output metadata only, with the shape checks of csrc/checks.h so that tracing
-# fails the way eager does.
+# Fake kernels: output metadata only, with the shape, device and dtype checks of csrc/checks.h so
+# that tracing fails the way eager does. They also serve as the Meta kernels, which the dispatcher
+# picks when any input is a meta tensor: without the device checks a meta bias beside a CPU x
+# would return an uninitialised CPU tensor instead of an error.
 
 
 def _check(cond, message):
     torch._check(cond, lambda: f"fused_pool_gelu.{message}")
+
+
+# c10's names for the dtypes, as csrc/checks.h's messages print them.
+_SCALAR_TYPE_NAMES = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
+    torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int", torch.uint8: "Byte",
+    torch.bool: "Bool",
+}
+
+
+def _dtype_name(dtype):
+    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
+
+
+def _check_same_device(op, name, t, ref_name, ref):
+    _check(
+        t.device == ref.device,
+        f"{op}: {name} must be on the same device as {ref_name} ({ref.device}), got {t.device}",
+    )
+
+
+def _check_same_dtype(op, name, t, ref_name, ref):
+    _check(
+        t.dtype == ref.dtype,
+        f"{op}: {name} must have the same dtype as {ref_name} ({_dtype_name(ref.dtype)}), got "
+        f"{_dtype_name(t.dtype)}",
+    )
 
 
 @torch.library.register_fake("fused_pool_gelu::fold")
@@ -123,6 +152,8 @@ def _fold_fake(weight, bias, pool_kernel_size):
             f"fold: bias must be 1-D [out_features] = [{weight.shape[0]}], "
             f"got shape {list(bias.shape)}",
         )
+        _check_same_device("fold", "bias", bias, "weight", weight)
+        _check_same_dtype("fold", "bias", bias, "weight", weight)
     pooled = weight.shape[0] // pool_kernel_size
     return weight.new_empty((pooled, weight.shape[1])), weight.new_empty((pooled,))
 
@@ -154,6 +185,10 @@ def _fold_backward_fake(grad_pooled_weight, grad_pooled_bias, out_features, pool
         f"{op}: grad_pooled_bias must be 1-D [pooled_features] = [{rows}], got shape "
         f"{list(grad_pooled_bias.shape)}",
     )
+    _check_same_device(op, "grad_pooled_bias", grad_pooled_bias, "grad_pooled_weight",
+                       grad_pooled_weight)
+    _check_same_dtype(op, "grad_pooled_bias", grad_pooled_bias, "grad_pooled_weight",
+                      grad_pooled_weight)
     return (
         grad_pooled_weight.new_empty((out_features, grad_pooled_weight.shape[1])),
         grad_pooled_weight.new_empty((out_features,)),
@@ -178,15 +213,20 @@ def _check_forward_shapes(x, weight, bias, op="forward", weight_name="weight"):
         f"{op}: {weight_name} must have at least one row (pooled feature) to take the max over, "
         f"got shape {list(weight.shape)}",
     )
+    _check_same_device(op, weight_name, weight, "x", x)
+    _check_same_dtype(op, weight_name, weight, "x", x)
     if bias is not None:
         _check(
             bias.dim() == 1 and bias.shape[0] == weight.shape[0],
             f"{op}: bias must be 1-D [pooled_features] = [{weight.shape[0]}], "
             f"got shape {list(bias.shape)}",
         )
+        _check_same_device(op, "bias", bias, "x", x)
+        _check_same_dtype(op, "bias", bias, "x", x)
 
 
 def _check_batch_vectors(op, x, **vectors):
+    # As check_forward_backward_inputs: on x's device; argmax int64, the others x's dtype.
     batch = x.shape[0]
     for name, t in vectors.items():
         if t is not None:
@@ -194,6 +234,12 @@ def _check_batch_vectors(op, x, **vectors):
                 t.dim() == 1 and t.shape[0] == batch,
                 f"{op}: {name} must be 1-D [batch] = [{batch}], got shape {list(t.shape)}",
             )
+            _check_same_device(op, name, t, "x", x)
+            if name == "argmax":
+                _check(t.dtype == torch.int64,
+                       f"{op}: argmax must be int64, got {_dtype_name(t.dtype)}")
+            else:
+                _check_same_dtype(op, name, t, "x", x)
 
 
 def _prepared_bytes(rows, in_features):
@@ -205,6 +251,16 @@ def _check_prepared_shape(weight, prepared_weight):
     if prepared_weight is None:
         return
     size = _prepared_bytes(weight.shape[0], weight.shape[1])
+    _check(
+        prepared_weight.device == weight.device,
+        f"forward: prepared_weight must be on weight's device ({weight.device}), got "
+        f"{prepared_weight.device}",
+    )
+    _check(
+        prepared_weight.dtype == torch.uint8,
+        f"forward: prepared_weight must be uint8 (made by fused_pool_gelu.prepare_weight), got "
+        f"{_dtype_name(prepared_weight.dtype)}",
+    )
     _check(
         prepared_weight.dim() == 1 and prepared_weight.shape[0] == size,
         f"forward: prepared_weight must be 1-D [pooled_features * (128 * ceil(in_features / 64) "
@@ -376,15 +432,20 @@ torch.library.register_autograd(
 # that forward_with_argmax's autocast kernel casts (and autograd through the casts).
 
 
+def autocast_cast(t, dtype):
+    """Autocast's rule for the fused op's inputs: floating tensors other than float64 take
+    `dtype` (None: autocast off); anything else passes."""
+    if dtype is None or t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
+
+
 def _make_autocast_kernel(device_type):
     def kernel(keyset, x, weight, bias, scale, prepared_weight=None):
         dtype = torch.get_autocast_dtype(device_type)
 
         def cast(t):
-            # Autocast's rule: floating tensors other than float64 take the autocast dtype.
-            if t is None or not t.is_floating_point() or t.dtype == torch.float64:
-                return t
-            return t.to(dtype)
+            return autocast_cast(t, dtype)
 
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
             cast_weight = cast(weight)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.library import opcheck
 
-from fused_pool_gelu import ops
+from fused_pool_gelu import ModelNew, ops
 
 _OPS = torch.ops.fused_pool_gelu
 
@@ -959,6 +959,45 @@ def test_bad_input_raises_documented_error(case, device):
     call, message = BAD_INPUT_CASES[case]
     with pytest.raises(RuntimeError, match=message):
         call(device)
+
+
+def _meta_mixes():
+    x, weight, bias = torch.rand(3, 8), torch.rand(4, 8), torch.rand(4)
+    pooled_weight, pooled_bias = ops.fold(weight, bias, 2)
+    prepared = ops.prepare_weight(pooled_weight)
+    meta = lambda t: t.to("meta")  # noqa: E731
+    return {
+        "forward-bias": (lambda: ops.forward(x, pooled_weight, meta(pooled_bias), 2.0),
+                         r"forward: bias must be on the same device as x \(cpu\), got meta"),
+        "forward-weight": (lambda: ops.forward(x, meta(pooled_weight), pooled_bias, 2.0),
+                           r"forward: weight must be on the same device as x \(cpu\), got meta"),
+        "forward-prepared": (
+            lambda: ops.forward(x, pooled_weight, pooled_bias, 2.0, meta(prepared)),
+            r"forward: prepared_weight must be on weight's device \(cpu\), got meta"),
+        "fold-bias": (lambda: ops.fold(weight, meta(bias), 2),
+                      r"fold: bias must be on the same device as weight \(cpu\), got meta"),
+        "model-new-on-meta": (lambda: ModelNew(8, 4, 2, 2.0).to("meta")(x),
+                              r"must be on the same device as x \(cpu\), got meta"),
+    }
+
+
+@pytest.mark.parametrize("case", ["forward-bias", "forward-weight", "forward-prepared",
+                                  "fold-bias", "model-new-on-meta"])
+def test_a_meta_tensor_beside_cpu_ones_raises_instead_of_computing(case):
+    # Any meta input sends the call to the Meta kernels (the fake ones): they must check devices
+    # as the CPU and CUDA kernels do, not return an uninitialised CPU tensor.
+    call, message = _meta_mixes()[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_all_meta_inputs_give_meta_outputs_of_the_right_shape():
+    x, weight, bias = (torch.empty(shape, device="meta") for shape in ((3, 8), (8, 8), (8,)))
+    pooled_weight, pooled_bias = ops.fold(weight, bias, 2)
+    assert pooled_weight.shape == (4, 8) and pooled_weight.is_meta
+    out, argmax, preactivation = ops.forward_with_argmax(x, pooled_weight, pooled_bias, 2.0)
+    assert out.is_meta and out.shape == argmax.shape == preactivation.shape == (3,)
+    assert argmax.dtype == torch.int64
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
