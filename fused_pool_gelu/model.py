@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
 from . import ops
 
@@ -15,9 +17,50 @@ __all__ = ["Model", "ModelNew"]
 
 
 def _checked_pool_kernel_size(pool_kernel_size) -> int:
-    if int(pool_kernel_size) != pool_kernel_size or pool_kernel_size < 1:
+    # AvgPool1d takes a 1-tuple too.
+    value = pool_kernel_size
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        (value,) = value
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or int(value) != value
+        or value < 1
+    ):
         raise ValueError(f"pool_kernel_size must be a positive integer, got {pool_kernel_size!r}")
-    return int(pool_kernel_size)
+    return int(value)
+
+
+def _pooled_gelu_max(linear_out: Tensor, pool, scale_factor) -> Tensor:
+    """Model's computation after its Linear: pool (an AvgPool1d, or F.avg_pool1d with its
+    kernel size) over the features, GELU, scale, max over the features."""
+    x = pool(linear_out.unsqueeze(1)).squeeze(1)
+    x = torch.nn.functional.gelu(x)
+    x = x * scale_factor
+    return torch.max(x, dim=1).values
+
+
+_LINEAR_FORWARD = nn.Linear.forward
+# torch's registries of global module hooks: dicts it fills and empties in place.
+_GLOBAL_FORWARD_PRE_HOOKS = _module._global_forward_pre_hooks
+_GLOBAL_FORWARD_HOOKS = _module._global_forward_hooks
+_GLOBAL_BACKWARD_PRE_HOOKS = _module._global_backward_pre_hooks
+_GLOBAL_BACKWARD_HOOKS = _module._global_backward_hooks
+
+
+def _is_plain_linear(linear: nn.Module) -> bool:
+    """linear(x) is x @ weight.T + bias with nothing else run: nn.Linear's own forward, and no
+    module hooks on it (spectral_norm, pruning and the old weight_norm work through forward
+    pre-hooks) nor global ones. Only then can ModelNew read the parameters and fold them. (Runs
+    at every call: a few dict truth tests, ~0.2 us.)"""
+    return (
+        type(linear).forward is _LINEAR_FORWARD
+        and not (linear._forward_pre_hooks or linear._forward_hooks
+                 or linear._backward_pre_hooks or linear._backward_hooks)
+        and not (_GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS
+                 or _GLOBAL_BACKWARD_PRE_HOOKS or _GLOBAL_BACKWARD_HOOKS)
+    )
 
 
 def pool_kernel_size_of(model: nn.Module) -> int:
@@ -41,12 +84,7 @@ class Model(nn.Module):
         self.scale_factor = scale_factor
 
     def forward(self, x):
-        x = self.matmul(x)
-        x = self.avg_pool(x.unsqueeze(1)).squeeze(1)
-        x = torch.nn.functional.gelu(x)
-        x = x * self.scale_factor
-        x = torch.max(x, dim=1).values
-        return x
+        return _pooled_gelu_max(self.matmul(x), self.avg_pool, self.scale_factor)
 
 
 class ModelNew(nn.Module):
@@ -61,7 +99,14 @@ class ModelNew(nn.Module):
     :meth:`invalidate_fold` after such an edit. When gradients are needed (training), the fold is
     recorded in the autograd graph each call so that weight and bias get their gradients: eagerly
     and under CUDA-graph capture through ``ops.model_forward`` (fold and forward as one autograd
-    node), under torch.compile through ``ops.fold`` then ``ops.forward``.
+    node), under torch.compile and torch.jit.trace through ``ops.fold`` then ``ops.forward``.
+
+    What the fold cannot express runs Model's computation instead (Model's numbers and speed):
+    a ``matmul`` that does more than ``x @ weight.T + bias`` (module hooks on it, as
+    ``spectral_norm``, pruning and the old ``weight_norm`` register, global module hooks, or a
+    subclass with its own ``forward``, e.g. a LoRA or quantized layer), and a tensor
+    ``scale_factor`` (whose gradient Model computes). The new-style ``torch.nn.utils.parametrize``
+    needs no hooks and keeps the fused path.
     """
 
     def __init__(self, in_features, out_features, pool_kernel_size, scale_factor):
@@ -99,7 +144,10 @@ class ModelNew(nn.Module):
         self._fold_cache = None
 
     def folded_parameters(self) -> Tuple[Tensor, Tensor]:
-        """(pooled_weight, pooled_bias) for the current parameters, from the cache when valid."""
+        """(pooled_weight, pooled_bias) for the current parameters, from the cache when valid.
+
+        Detached (no autograd history, whatever the grad mode) and shared with the cache: an
+        in-place change to them makes the next call refold instead of serving them."""
         linear = self.matmul
         return self._folded(linear.weight, linear.bias)[:2]
 
@@ -122,11 +170,13 @@ class ModelNew(nn.Module):
         # A plain attribute (as Model's avg_pool.kernel_size): it may change, like the weight.
         pool_kernel_size = self.pool_kernel_size
         if cache is not None:
-            weight_ref, bias_ref, cached_pool_kernel_size, stamp, folded = cache
+            weight_ref, bias_ref, cached_pool_kernel_size, stamp, folded, folded_versions = cache
             cached_bias = None if bias_ref is None else bias_ref()
             same_objects = weight_ref() is weight and cached_bias is bias
+            # The folded tensors' versions too: folded_parameters() hands them out.
             if (same_objects and cached_pool_kernel_size == pool_kernel_size
-                    and stamp == self._stamp(weight, bias)):
+                    and stamp == self._stamp(weight, bias)
+                    and folded_versions == (folded[0]._version, folded[1]._version)):
                 return folded
         # Plain tensors even when called under inference_mode: a frozen model cached there must
         # still serve later calls whose x requires grad (autograd cannot save inference tensors).
@@ -147,6 +197,7 @@ class ModelNew(nn.Module):
             pool_kernel_size,
             self._stamp(weight, bias),
             folded,
+            (pooled_weight._version, pooled_bias._version),
         )
         return folded
 
@@ -162,11 +213,24 @@ class ModelNew(nn.Module):
         # filled during capture would hold values that exist only after the first replay.
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
+    def _reference_forward(self, linear: nn.Module, x: Tensor) -> Tensor:
+        # Model's computation, for what the fold cannot express: a `matmul` that runs more than
+        # x @ weight.T + bias (hooks, its own forward) or a tensor scale_factor (which may want
+        # its gradient).
+        pool_kernel_size = _checked_pool_kernel_size(self.pool_kernel_size)
+        return _pooled_gelu_max(
+            linear(x),
+            lambda y: torch.nn.functional.avg_pool1d(y, pool_kernel_size),
+            self.scale_factor,
+        )
+
     def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             # Traced graphs cannot read version counters, and they trace the ops through their
             # fake kernels and Python autograd formulas: the fold becomes part of the graph.
             linear = self.matmul
+            if not _is_plain_linear(linear) or isinstance(self.scale_factor, Tensor):
+                return self._reference_forward(linear, x)
             pooled_weight, pooled_bias = ops.fold(linear.weight, linear.bias, self.pool_kernel_size)
             return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
         # nn.Module's attribute lookups go through __getattr__, about a microsecond of host time
@@ -178,6 +242,9 @@ class ModelNew(nn.Module):
         linear = self._modules.get("matmul")
         if linear is None:
             linear = self.matmul
+        scale = self.scale_factor
+        if not _is_plain_linear(linear) or (type(scale) is not float and isinstance(scale, Tensor)):
+            return self._reference_forward(linear, x)
         params = linear._parameters
         weight = params.get("weight")
         if weight is None:
@@ -190,12 +257,12 @@ class ModelNew(nn.Module):
             # for weight and bias to get gradients; model_forward records fold and forward as one
             # C++ node (less host time than the two ops' Python autograd nodes, same bits), whose
             # backward is model_backward.
-            return ops.model_forward(x, weight, bias, self.pool_kernel_size, self.scale_factor)
+            return ops.model_forward(x, weight, bias, self.pool_kernel_size, scale)
         if self._capturing():
             pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
-            return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
+            return ops.forward(x, pooled_weight, pooled_bias, scale)
         pooled_weight, pooled_bias, prepared_weight = self._folded(weight, bias)
-        return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor, prepared_weight)
+        return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -131,10 +131,21 @@ def test_from_model_keeps_dtype_and_requires_grad():
     assert new.matmul.weight.requires_grad and not new.matmul.bias.requires_grad
 
 
-@pytest.mark.parametrize("pool_kernel_size", [0, -1, 2.5])
+@pytest.mark.parametrize("pool_kernel_size", [0, -1, 2.5, float("nan"), float("inf"), None, "2",
+                                              True, (2, 2)])
 def test_invalid_pool_kernel_size_is_rejected(pool_kernel_size):
     with pytest.raises(ValueError, match="pool_kernel_size must be a positive integer"):
         ModelNew(16, 8, pool_kernel_size, 2.0)
+
+
+def test_a_one_tuple_pool_kernel_size_is_taken_as_avg_pool1d_takes_it(device):
+    torch.manual_seed(3)
+    model = Model(24, 16, (4,), 2.0).to(device)
+    new = ModelNew(24, 16, (4,), 2.0).to(device)
+    new.load_state_dict(model.state_dict())
+    assert new.pool_kernel_size == 4
+    x = torch.rand(5, 24, device=device)
+    torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-5)
 
 
 def test_from_model_rejects_what_model_accepts_but_cannot_run():
@@ -430,6 +441,108 @@ def test_parametrized_parameters_are_the_ones_used(names, device):
     out.sum().backward()
     original = new.matmul.parametrizations[names[0]].original
     assert original.grad is not None and bool(original.grad.any())
+
+
+class _LinearTimesTwo(torch.nn.Linear):
+    """A Linear subclass with its own forward (as LoRA or quantized layers have)."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+def _spectral_norm(linear):
+    torch.manual_seed(5)  # its power iteration's start vector
+    torch.nn.utils.spectral_norm(linear)
+
+
+def _prune(linear):
+    from torch.nn.utils import prune
+
+    prune.l1_unstructured(linear, "weight", amount=0.5)
+
+
+def _forward_hook(linear):
+    linear.register_forward_hook(lambda module, args, out: out - 0.25)
+
+
+def _own_forward(linear):
+    linear.__class__ = _LinearTimesTwo
+
+
+@pytest.mark.parametrize("modify", [_spectral_norm, _prune, _forward_hook, _own_forward],
+                         ids=["spectral_norm", "prune", "forward-hook", "own-forward"])
+def test_a_matmul_that_runs_more_than_its_product_runs_models_computation(
+    modify, fold_calls, device
+):
+    # What the fold cannot express (hooks on matmul, a subclass's forward) must not be skipped:
+    # ModelNew then computes as Model does, the same bits, through two training steps.
+    model, new = _pair((24, 16, 4, 2.0), device)
+    for module in (model, new):
+        modify(module.matmul)
+    for step in range(2):
+        x = torch.rand(6, 24, device=device)
+        outs = []
+        for module in (model, new):
+            module.zero_grad()
+            out = module(x)
+            out.sum().backward()
+            with torch.no_grad():
+                for parameter in module.parameters():
+                    parameter -= 0.1 * parameter.grad
+            outs.append(out.detach())
+        assert torch.equal(outs[1], outs[0]), step
+    with torch.no_grad():
+        assert torch.equal(new(x), model(x))
+    assert not fold_calls
+
+
+def test_a_global_module_hook_runs_models_computation(device):
+    model, new = _pair((24, 16, 4, 2.0), device)
+    x = torch.rand(6, 24, device=device)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append(type(module).__name__))
+    try:
+        with torch.no_grad():
+            assert torch.equal(new(x), model(x))
+    finally:
+        handle.remove()
+    assert seen.count("Linear") == 2  # matmul ran in both
+
+
+def test_a_tensor_scale_factor_gets_models_gradient(device):
+    model, new = _pair((24, 16, 4, 2.0), device)
+    for module in (model, new):
+        module.scale_factor = torch.nn.Parameter(torch.tensor(1.5, device=device))
+    x = torch.rand(6, 24, device=device)
+    for module in (model, new):
+        module(x).sum().backward()
+    assert new.scale_factor.grad is not None
+    assert torch.equal(new.scale_factor.grad, model.scale_factor.grad)
+    assert torch.equal(new.matmul.weight.grad, model.matmul.weight.grad)
+
+
+def test_an_in_place_edit_of_the_folded_parameters_makes_the_next_call_refold(fold_calls, device):
+    new, x = _new_and_input(device)
+    with torch.no_grad():
+        expected = new(x)
+        pooled_weight, pooled_bias = new.folded_parameters()
+        assert not pooled_weight.requires_grad
+        pooled_weight.mul_(0)
+        calls = len(fold_calls)
+        assert torch.equal(new(x), expected)
+    assert len(fold_calls) == calls + 1
+
+
+def test_a_jit_trace_follows_weight_updates(device):
+    model, new = _pair((24, 16, 4, 2.0), device)
+    x = torch.rand(6, 24, device=device)
+    with torch.no_grad():
+        new(x)  # a warm cache: a trace of the cached path would hold the folded weight as constants
+        traced = torch.jit.trace(new, x, check_trace=False)
+        for module in (model, new):
+            module.matmul.weight.mul_(-1.5)
+        torch.testing.assert_close(traced(x), model(x), atol=1e-5, rtol=1e-5)
 
 
 def test_grad_enabled_folds_every_call_and_the_weight_gets_a_gradient(fold_calls, device):
