@@ -72,6 +72,16 @@ class _ShardedFusedMax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pooled_weight, pooled_bias, scale, first_group, group):
+        # Under autocast the op computes in the autocast dtype (ops.autocast_cast's rule): cast
+        # here, so that the backward gets the tensors the op saw, and its gradients go back to the
+        # inputs' dtypes.
+        device_type = x.device.type
+        dtype = (torch.get_autocast_dtype(device_type)
+                 if torch.is_autocast_enabled(device_type) else None)
+        ctx.input_dtypes = (x.dtype, pooled_weight.dtype,
+                            None if pooled_bias is None else pooled_bias.dtype)
+        x, pooled_weight, pooled_bias = (
+            ops.autocast_cast(t, dtype) for t in (x, pooled_weight, pooled_bias))
         local_out, local_argmax, local_pre = torch.ops.fused_pool_gelu.forward_with_argmax(
             x, pooled_weight, pooled_bias, scale
         )
@@ -111,7 +121,13 @@ class _ShardedFusedMax(torch.autograd.Function):
             dist.all_reduce(grad_x, op=dist.ReduceOp.SUM, group=ctx.group)
         else:
             grad_x = None
-        return grad_x, grad_weight, grad_bias, None, None, None
+        x_dtype, weight_dtype, bias_dtype = ctx.input_dtypes
+        return (
+            None if grad_x is None else grad_x.to(x_dtype),
+            grad_weight.to(weight_dtype),
+            None if bias_dtype is None else grad_bias.to(bias_dtype),
+            None, None, None,
+        )
 
 
 class TensorParallelPoolGelu(nn.Module):
