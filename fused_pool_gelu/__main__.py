@@ -34,23 +34,53 @@ GPU_DEFAULTS = dict(batch=1024, in_features=8192, out_features=8192)
 CPU_DEFAULTS = dict(batch=128, in_features=2048, out_features=2048)
 
 
+def _integer_at_least(minimum, text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def _positive_int(text):
+    return _integer_at_least(1, text)
+
+
+def _non_negative_int(text):
+    return _integer_at_least(0, text)
+
+
+def _device_name(text):
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m fused_pool_gelu",
         description="Build info, then ModelNew checked against Model and both timed.",
     )
-    p.add_argument("--device", default=None,
-                   help="cuda or cpu (default: cuda when a GPU and the CUDA kernels are present)")
-    p.add_argument("--batch", "-B", type=int, default=None,
+    p.add_argument("--device", default=None, type=_device_name,
+                   help="cuda, cuda:N or cpu (default: cuda when a GPU and the CUDA kernels are "
+                        "present)")
+    p.add_argument("--batch", "-B", type=_non_negative_int, default=None,
                    help=f"batch size (default {GPU_DEFAULTS['batch']} on a GPU, "
                         f"{CPU_DEFAULTS['batch']} on the CPU)")
-    p.add_argument("--in-features", "-K", type=int, default=None,
+    p.add_argument("--in-features", "-K", type=_positive_int, default=None,
                    help=f"default {GPU_DEFAULTS['in_features']} on a GPU, "
                         f"{CPU_DEFAULTS['in_features']} on the CPU")
-    p.add_argument("--out-features", "-O", type=int, default=None,
+    p.add_argument("--out-features", "-O", type=_positive_int, default=None,
                    help=f"default {GPU_DEFAULTS['out_features']} on a GPU, "
                         f"{CPU_DEFAULTS['out_features']} on the CPU")
-    p.add_argument("--pool", "-k", type=int, default=16, help="pool kernel size (default 16)")
+    p.add_argument("--pool", "-k", type=_positive_int, default=16,
+                   help="pool kernel size (default 16)")
     p.add_argument("--scale", type=float, default=2.0, help="scale factor (default 2.0)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--seed", type=int, default=0,
@@ -209,6 +239,10 @@ def main(argv=None) -> int:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.pool > args.out_features:
+        print(f"error: --pool ({args.pool}) must be <= --out-features ({args.out_features}), so "
+              "that at least one pooled feature exists", file=sys.stderr)
+        return 2
     dtype = getattr(torch, args.dtype)
     tol = TOLERANCE[args.dtype]
     B, K, O, k, s = args.batch, args.in_features, args.out_features, args.pool, args.scale

@@ -1,0 +1,39 @@
+"""`python -m fused_pool_gelu` (fused_pool_gelu/__main__.py): the check passes on a small CPU
+shape, and bad arguments end in argparse's usage error naming the argument, not a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from fused_pool_gelu.__main__ import main
+
+SMALL = ["--device", "cpu", "-B", "3", "-K", "24", "-O", "16", "-k", "4", "--no-timing"]
+
+
+def test_the_check_passes_on_a_small_cpu_shape(capsys):
+    assert main(SMALL) == 0
+    out = capsys.readouterr().out
+    assert "check passed: ModelNew matches Model (outputs and gradients)" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--pool", "0"], "argument --pool/-k: expected an integer >= 1, got 0"),
+        (["-B", "-1"], "argument --batch/-B: expected an integer >= 0, got -1"),
+        (["-K", "x"], "argument --in-features/-K: expected an integer >= 1, got 'x'"),
+        (["-O", "0"], "argument --out-features/-O: expected an integer >= 1, got 0"),
+        (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    ],
+)
+def test_bad_arguments_are_usage_errors_naming_the_argument(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_pool_wider_than_the_output_is_refused(capsys):
+    assert main(["--device", "cpu", "-B", "2", "-K", "8", "-O", "8", "-k", "16"]) == 2
+    assert "--pool (16) must be <= --out-features (8)" in capsys.readouterr().err
