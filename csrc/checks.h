@@ -20,6 +20,16 @@ inline void check_rank(const char* op, const char* name, const at::Tensor& t, in
               layout, ", got shape ", t.sizes());
 }
 
+// Forward-mode AD (torch.autograd.forward_ad, torch.func.jvp / jacfwd) has no formula for these
+// ops, and a tangent reaching a kernel would be dropped: the result's tangent silently zero. Level
+// 0 is the one forward AD supports (PyTorch's generated kernels check the same).
+inline void check_no_tangent(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(!t._fw_grad(/*level=*/0).defined(), "fused_pool_gelu.", op, ": ", name,
+              " carries a forward-mode AD tangent; forward-mode AD (torch.func.jvp, jacfwd, "
+              "torch.autograd.forward_ad) is not supported, use reverse mode (backward, "
+              "torch.autograd.grad)");
+}
+
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
                               const char* ref_name, const at::Tensor& ref) {
   TORCH_CHECK(t.device() == ref.device(), "fused_pool_gelu.", op, ": ", name,
@@ -54,6 +64,7 @@ inline void check_cuda_floating_dtype(const char* op, const char* name, const at
 inline void check_fold_inputs(const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                               int64_t pool_kernel_size) {
   check_rank("fold", "weight", weight, 2, "[out_features, in_features]");
+  check_no_tangent("fold", "weight", weight);
   TORCH_CHECK(pool_kernel_size >= 1,
               "fused_pool_gelu.fold: pool_kernel_size must be >= 1, got ", pool_kernel_size);
   TORCH_CHECK(pool_kernel_size <= weight.size(0),
@@ -67,6 +78,7 @@ inline void check_fold_inputs(const at::Tensor& weight, const c10::optional<at::
                 "], got shape ", b.sizes());
     check_same_device("fold", "bias", b, "weight", weight);
     check_same_dtype("fold", "bias", b, "weight", weight);
+    check_no_tangent("fold", "bias", b);
   }
 }
 
@@ -118,6 +130,8 @@ inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
               weight.sizes());
   check_same_device(op, weight_name, weight, "x", x);
   check_same_dtype(op, weight_name, weight, "x", x);
+  check_no_tangent(op, "x", x);
+  check_no_tangent(op, weight_name, weight);
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
     TORCH_CHECK(b.dim() == 1 && b.size(0) == weight.size(0),
@@ -125,12 +139,14 @@ inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
                 "], got shape ", b.sizes());
     check_same_device(op, "bias", b, "x", x);
     check_same_dtype(op, "bias", b, "x", x);
+    check_no_tangent(op, "bias", b);
   }
 }
 
 // prepare_weight(weight [N, K]): any floating dtype (the copy is made from its float32 values).
 inline void check_prepare_weight_inputs(const at::Tensor& weight) {
   check_rank("prepare_weight", "weight", weight, 2, "[pooled_features, in_features]");
+  check_no_tangent("prepare_weight", "weight", weight);
   TORCH_CHECK(weight.is_floating_point(),
               "fused_pool_gelu.prepare_weight: weight must be a floating-point tensor, got ",
               weight.scalar_type());

@@ -1000,6 +1000,48 @@ def test_all_meta_inputs_give_meta_outputs_of_the_right_shape():
     assert argmax.dtype == torch.int64
 
 
+def _forward_mode_cases(device):
+    x, weight, bias = (torch.rand(shape, device=device) for shape in ((3, 8), (8, 8), (8,)))
+    pooled_weight, pooled_bias = ops.fold(weight, bias, 2)
+    new = ModelNew(8, 8, 2, 2.0).to(device)
+    return {
+        "forward-x": (x, lambda d: ops.forward(d, pooled_weight, pooled_bias, 2.0),
+                      "forward: x carries a forward-mode AD tangent"),
+        "forward_with_argmax-weight": (
+            pooled_weight, lambda d: ops.forward_with_argmax(x, d, pooled_bias, 2.0),
+            "forward: weight carries a forward-mode AD tangent"),
+        "fold-weight": (weight, lambda d: ops.fold(d, bias, 2),
+                        "fold: weight carries a forward-mode AD tangent"),
+        "fold-bias": (bias, lambda d: ops.fold(weight, d, 2),
+                      "fold: bias carries a forward-mode AD tangent"),
+        "model-new-no-grad": (x, lambda d: new(d), "forward: x carries a forward-mode AD tangent"),
+    }
+
+
+@pytest.mark.parametrize("case", ["forward-x", "forward_with_argmax-weight", "fold-weight",
+                                  "fold-bias", "model-new-no-grad"])
+def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(case, device):
+    # The ops have no forward-mode formula; a tangent that reached a kernel was dropped, and the
+    # result's tangent was silently zero (torch.func.jacfwd gave a zero Jacobian).
+    import torch.autograd.forward_ad as forward_ad
+
+    primal, call, message = _forward_mode_cases(device)[case]
+    with forward_ad.dual_level(), torch.no_grad():
+        dual = forward_ad.make_dual(primal, torch.ones_like(primal))
+        with pytest.raises(RuntimeError, match=message):
+            call(dual)
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: torch.func's jvp transforms strip the "
+                   "tangent before the op's kernels see it (as for any torch.library op without a "
+                   "forward-mode formula), so jacfwd gives a zero Jacobian; docs/training.md")
+def test_torch_func_jacfwd_raises_instead_of_a_zero_jacobian(device):
+    x, weight, bias = (torch.rand(shape, device=device) for shape in ((3, 8), (8, 8), (8,)))
+    pooled_weight, pooled_bias = ops.fold(weight, bias, 2)
+    with pytest.raises(RuntimeError, match="forward-mode AD"):
+        torch.func.jacfwd(lambda t: ops.forward(t, pooled_weight, pooled_bias, 2.0).sum())(x)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_types_on_cpu_compute_in_float32_and_round_once(dtype, make_inputs):
     x, weight, bias = (t.to(dtype) for t in make_inputs(6, 20, 12, torch.float32, "cpu"))
