@@ -250,19 +250,28 @@ class ModelNew(nn.Module):
         if weight is None:
             weight = linear.weight
         bias = params["bias"] if "bias" in params else linear.bias
-        if torch.is_grad_enabled() and (
-            weight.requires_grad or (bias is not None and bias.requires_grad)
-        ):
-            # Training, eager or captured in a CUDA graph: the fold must be in the autograd graph
-            # for weight and bias to get gradients; model_forward records fold and forward as one
-            # C++ node (less host time than the two ops' Python autograd nodes, same bits), whose
-            # backward is model_backward.
-            return ops.model_forward(x, weight, bias, self.pool_kernel_size, scale)
-        if self._capturing():
-            pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
-            return ops.forward(x, pooled_weight, pooled_bias, scale)
-        pooled_weight, pooled_bias, prepared_weight = self._folded(weight, bias)
-        return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
+        try:
+            if torch.is_grad_enabled() and (
+                weight.requires_grad or (bias is not None and bias.requires_grad)
+            ):
+                # Training, eager or captured in a CUDA graph: the fold must be in the autograd
+                # graph for weight and bias to get gradients; model_forward records fold and
+                # forward as one C++ node (less host time than the two ops' Python autograd nodes,
+                # same bits), whose backward is model_backward.
+                return ops.model_forward(x, weight, bias, self.pool_kernel_size, scale)
+            if self._capturing():
+                pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
+                return ops.forward(x, pooled_weight, pooled_bias, scale)
+            pooled_weight, pooled_bias, prepared_weight = self._folded(weight, bias)
+            return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
+        except RuntimeError as error:
+            # The op's own message would name the pooled weight, which the caller never made.
+            if isinstance(x, Tensor) and x.dim() == 2 and x.shape[1] != weight.shape[1]:
+                raise RuntimeError(
+                    f"fused_pool_gelu.ModelNew: x must be [batch, in_features] = [batch, "
+                    f"{weight.shape[1]}] (matmul.in_features), got shape {list(x.shape)}"
+                ) from error
+            raise
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -179,7 +179,9 @@ def test_zero_in_features_give_the_reference_answer_and_gradients(batch, device)
 MODULE_ERRORS = {
     "x_rank_1": ((16, 12, 4), (16,), torch.float32, r"x must be 2-D .*, got shape \[16\]"),
     "x_rank_3": ((16, 12, 4), (2, 3, 16), torch.float32, r"x must be 2-D .* \[2, 3, 16\]"),
-    "x_in_features": ((16, 12, 4), (3, 15), torch.float32, r"in_features = x.size\(1\) = 15"),
+    "x_in_features": ((16, 12, 4), (3, 15), torch.float32,
+                      r"ModelNew: x must be \[batch, in_features\] = \[batch, 16\] "
+                      r"\(matmul.in_features\), got shape \[3, 15\]"),
     "x_float64": ((16, 12, 4), (3, 16), torch.float64, r"same dtype as x \(Double\), got Float"),
     "x_int64": ((16, 12, 4), (3, 16), torch.int64, r"same dtype as x \(Long\), got Float"),
     "k_above_out_features": (
