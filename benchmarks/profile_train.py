@@ -22,22 +22,7 @@ import torch
 
 import common
 import fused_pool_gelu
-from fused_pool_gelu.timing import make_timer
-
-
-def graph_replay(step):
-    """step captured as a CUDA graph (PyTorch's whole-network capture: warm-up on a side stream,
-    grads set to None inside the capture); returns the graph's replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+from fused_pool_gelu.timing import capture_cuda_graph, make_timer
 
 
 def profile(batch, in_features, out_features, pool, calls, x_distribution):
@@ -57,7 +42,9 @@ def profile(batch, in_features, out_features, pool, calls, x_distribution):
 
     time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
     kernels = common.kernel_device_times(step, calls)
-    return kernels, time_us(step), time_us(graph_replay(step))
+    # step sets the grads to None inside the capture, so the replays write them, not add to them.
+    graph, _ = capture_cuda_graph(step)
+    return kernels, time_us(step), time_us(graph.replay)
 
 
 def main():
