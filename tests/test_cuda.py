@@ -693,6 +693,43 @@ def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(dtype, bias_o
     _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
 
+@pytest.mark.profiler
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("pooled", [300, 301], ids=["4-column-loads", "scalar-loads"])
+@pytest.mark.parametrize("bias_case", ["bias", "shifted", "nan-column"])
+@pytest.mark.parametrize(
+    "scale", [1.7, -1.7, 3e-45, 3e37],
+    ids=["band", "negative-scale", "subnormal-products", "overflowing-products"],
+)
+def test_warp_row_band_gives_the_bits_of_every_columns_gelu(dtype, pooled, bias_case, scale):
+    # argmax_band.h's band in the warp-per-row epilogue of one split (8192 rows: a warp per row on
+    # any GPU) against the same op on 64 rows at a time (a CTA per row, which evaluates every
+    # column), on exact sums (z the same bits in both). The band decides (scale 1.7: the rows'
+    # largest z in [0, 80], many columns within 2^-10 of it, ties across lanes), does not apply (a
+    # negative scale; rows whose z are all negative, with the bias shifted by -20; a NaN bias
+    # element, which makes one column of every row non-finite among finite ones; rows with a NaN
+    # or an Inf x), or applies and does not decide (scale * gelu subnormal, or overflowing to Inf).
+    x, weight, bias = _exact_half_inputs(8192, 40, pooled, dtype)
+    if bias_case == "shifted":
+        bias = bias - 20  # rounded to the half type, still a multiple of 2^-7: z stays exact
+    elif bias_case == "nan-column":
+        bias[150] = float("nan")
+    x[5, 3] = float("nan")
+    x[6, 7] = float("inf")
+    launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale))
+    assert launched == {(32, 1, 4 if pooled % 4 == 0 else 1)}, launched
+    chunk = lambda rows: ops.forward_with_argmax(x[rows], weight, bias, scale)  # noqa: E731
+    assert _epilogues_run(lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
+    expected = [torch.cat(parts) for parts in zip(
+        *(chunk(slice(row, row + 64)) for row in range(0, 8192, 64)))]
+    for got, want in zip((out, argmax, preactivation), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert bool(out[5].isnan()) and bool(out[6].isnan())
+    if bias_case == "nan-column":
+        assert bool(out.isnan().all()) and bool((argmax <= 150).all())
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_half_forward_on_non_contiguous_operands(dtype):
     x, weight, bias = _exact_half_inputs(96, 2 * 300, 40, dtype)

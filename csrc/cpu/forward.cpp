@@ -4,6 +4,7 @@
 // blocks of rows so the [rows, N] product is a bounded scratch (rows_per_block) instead of a
 // [B, N] tensor, and one fused pass over each block does bias + GELU + scale + max + arg-max,
 // evaluating the GELU (a scalar erf) only for the columns that can win (best_column_of_row).
+#include "argmax_band.h"
 #include "checks.h"
 #include "cpu/dtypes.h"
 #include "prepared_weight.h"
@@ -77,31 +78,12 @@ BestColumn<scalar_t> best_admitted_column(const scalar_t* z_row, const scalar_t*
 }
 
 // The row's answer, with the same bits as activation() on every column followed by torch.max's
-// rule, but with the erf evaluated on a few columns only where that provably gives the answer.
-//
-// The band: z >= t, t = z_max (1 - d) rounded, d = kBand = 2^-10; z_max's column is in it. Take
-// a column below it (z < t) and any band column z' >= t, the band's winner in particular:
-// z < z' (1 - d + u), u the unit roundoff. For z > 0, gelu(z) = z Phi(z) <= z Phi(z') < (1 - d +
-// u) gelu(z'), Phi increasing. activation() computes gelu of a normal z > 0 with a relative error
-// e of a few u (the erf's argument, erf itself, 1 + erf in [1, 2] and the products round once
-// each; nothing cancels), and of a subnormal z with an absolute error of a few subnormal ulps, far
-// below d gelu(z') once z_max >= `smallest`. So the computed gelu of the column is below the
-// band winner's by a relative gap of more than d - u - 3e. Multiplying by scale > 0 rounds
-// monotonically, and when the winner's product is a normal number (checked: finite and >=
-// `smallest`) a gap that wide survives the rounding strictly: the column can neither beat nor tie
-// the winner. Columns with z <= 0 give gelu <= 0 < the winner's. So the band alone decides, when:
-// scale is positive and finite, every z is finite (else the first non-finite column's NaN wins),
-// z_max >= `smallest` (below it, 0.5 z of two neighbouring subnormals can be equal), and the
-// band's best value is finite and >= `smallest` (scale * gelu overflowing to Inf or underflowing
-// towards 0 makes columns outside the band tie with it). Otherwise, and for scale <= 0 (the
-// maximum of a decreasing function of gelu), every column is evaluated.
+// rule, but with the erf evaluated on a few columns only where that provably gives the answer: the
+// band of argmax_band.h (the rule and its proof, shared with the CUDA epilogue).
 template <typename scalar_t>
 BestColumn<scalar_t> best_column_of_row(const scalar_t* z_row, const scalar_t* bias,
                                         int64_t pooled, scalar_t scale) {
-  constexpr scalar_t kBand = scalar_t(1) / 1024;
-  // 2^-63 for float32, 2^-511 for float64: normal numbers with room to spare.
-  const scalar_t smallest = std::sqrt(std::numeric_limits<scalar_t>::min());
-  if (scale > 0 && std::isfinite(scale)) {
+  if (scale > 0) {
     scalar_t z_max = -std::numeric_limits<scalar_t>::infinity();
     bool finite = true;
     for (int64_t n = 0; n < pooled; ++n) {
@@ -109,11 +91,11 @@ BestColumn<scalar_t> best_column_of_row(const scalar_t* z_row, const scalar_t* b
       finite &= std::isfinite(z);
       z_max = z > z_max ? z : z_max;
     }
-    if (finite && z_max >= smallest) {
-      const scalar_t threshold = z_max * (1 - kBand);
+    if (argmax_band_applies(scale, finite, z_max)) {
+      const scalar_t threshold = argmax_band_threshold(z_max);
       const BestColumn<scalar_t> best = best_admitted_column(
           z_row, bias, pooled, scale, [threshold](scalar_t z) { return z >= threshold; });
-      if (std::isfinite(best.value) && best.value >= smallest) return best;
+      if (argmax_band_decided(best.value)) return best;
     }
   }
   return best_admitted_column(z_row, bias, pooled, scale, [](scalar_t) { return true; });

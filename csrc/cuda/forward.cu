@@ -66,6 +66,7 @@
 #include <utility>
 #include <vector>
 
+#include "argmax_band.h"
 #include "checks.h"
 #include "common.cuh"
 #include "forward_certified.cuh"
@@ -370,6 +371,9 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + tid / kThreadsPerRow;
   const int col0 = tid % kThreadsPerRow;
 
+  // A warp's row of one split reduces over the warp itself (argmax_band.h's band needs the row's
+  // largest z first).
+  constexpr bool kWarpRowOfOneSplit = kSplitBound == 1 && kThreadsPerRow == 32;
   Candidate best{-INFINITY, p.n, 0.f};
   if (row < p.batch) {
     const float* row_partial = p.partial + row * p.n;
@@ -381,34 +385,66 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
       const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
       if (beats(v, col, best.value, best.index)) best = Candidate{v, col, z};
     };
-    if constexpr (kSplitBound == 1 && kThreadsPerRow == 32) {
+    if constexpr (kWarpRowOfOneSplit) {
       // A warp's row of one split: kLoads loads of z and of the bias per lane issued before their
-      // GELUs, whose erf branches keep the compiler from hoisting loads across an unrolled loop's
-      // columns. Scalar, 8 columns per lane in flight (two rounds at N = 512); 4 columns per load,
-      // 16 (the whole of a 512-column row in one round) for about the registers of the 8.
+      // use (in the full pass, before their GELUs, whose erf branches keep the compiler from
+      // hoisting loads across an unrolled loop's columns). Scalar, 8 columns per lane in flight
+      // (two rounds at N = 512); 4 columns per load, 16 (the whole of a 512-column row in one
+      // round) for about the registers of the 8.
       static_assert(kColumnsPerLoad == 1 || kColumnsPerLoad == 4, "scalar or 16-byte z loads");
       constexpr int kLoads = kColumnsPerLoad == 1 ? 8 : 4;
       constexpr int kStep = kColumnsPerLoad * kThreadsPerRow;  // columns between a lane's loads
-      for (int64_t base = int64_t{col0} * kColumnsPerLoad; base < p.n; base += kLoads * kStep) {
-        Columns<kColumnsPerLoad, float> z[kLoads] = {};
-        Columns<kColumnsPerLoad, out_t> b[kLoads] = {};
+      auto for_each_column = [&](auto&& f) {
+        for (int64_t base = int64_t{col0} * kColumnsPerLoad; base < p.n; base += kLoads * kStep) {
+          Columns<kColumnsPerLoad, float> z[kLoads] = {};
+          Columns<kColumnsPerLoad, out_t> b[kLoads] = {};
 #pragma unroll
-        for (int u = 0; u < kLoads; ++u) {
-          const int64_t col = base + u * kStep;
-          if (col < p.n) z[u] = load_columns<kColumnsPerLoad>(row_partial + col);
-          if (col < p.n && bias != nullptr) b[u] = load_columns<kColumnsPerLoad>(bias + col);
-        }
-        // With kColumnsPerLoad = 4, N % 4 == 0: a load's columns are all inside the row.
+          for (int u = 0; u < kLoads; ++u) {
+            const int64_t col = base + u * kStep;
+            if (col < p.n) z[u] = load_columns<kColumnsPerLoad>(row_partial + col);
+            if (col < p.n && bias != nullptr) b[u] = load_columns<kColumnsPerLoad>(bias + col);
+          }
+          // With kColumnsPerLoad = 4, N % 4 == 0: a load's columns are all inside the row.
 #pragma unroll
-        for (int u = 0; u < kLoads; ++u) {
-          const int64_t col = base + u * kStep;
-          if (col < p.n) {
+          for (int u = 0; u < kLoads; ++u) {
+            const int64_t col = base + u * kStep;
+            if (col < p.n) {
 #pragma unroll
-            for (int j = 0; j < kColumnsPerLoad; ++j) {
-              consider(col + j, bias != nullptr ? z[u][j] + b[u][j] : z[u][j]);
+              for (int j = 0; j < kColumnsPerLoad; ++j) {
+                f(col + j, bias != nullptr ? z[u][j] + b[u][j] : z[u][j]);
+              }
             }
           }
         }
+      };
+      // argmax_band.h's band: the GELUs of the columns near the row's largest z only, where that
+      // provably gives the full pass's bits (a second read of the row, from L1), else every
+      // column's. The warp's reductions leave every lane with the same z_max, flag and winner, so
+      // the branches are uniform.
+      float z_max = -INFINITY;
+      bool finite = true;
+      for_each_column([&](int64_t, float z) {
+        finite &= isfinite(z);
+        z_max = z > z_max ? z : z_max;
+      });
+#pragma unroll
+      for (int mask = 16; mask >= 1; mask /= 2) {
+        z_max = fmaxf(z_max, __shfl_xor_sync(0xffffffffu, z_max, mask));
+      }
+      finite = __all_sync(0xffffffffu, finite);
+      bool decided = false;
+      if (argmax_band_applies(p.scale, finite, z_max)) {
+        const float threshold = argmax_band_threshold(z_max);
+        for_each_column([&](int64_t col, float z) {
+          if (z >= threshold) consider(col, z);
+        });
+        best = warp_argmax(best);
+        decided = argmax_band_decided(best.value);
+        if (!decided) best = Candidate{-INFINITY, p.n, 0.f};
+      }
+      if (!decided) {
+        for_each_column(consider);
+        best = warp_argmax(best);
       }
     } else {
       // Two outputs' loads in flight per thread, but one at the bound of 64 (two spilled at 255
@@ -428,7 +464,7 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
       }
     }
   }
-  best = warp_argmax(best);
+  if constexpr (!kWarpRowOfOneSplit) best = warp_argmax(best);
 
   if constexpr (kThreadsPerRow == kCtaThreads) {
     __shared__ float s_value[kWarps];
