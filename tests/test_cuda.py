@@ -612,8 +612,10 @@ HALF_SHAPES = [  # (B, K, N)
     pytest.param((8200, 16, 520), id="two-slices"),
     # One split over many rows: a CTA per row within one wave of them (1056 rows on an H200), a
     # warp per row beyond, 8 scalar columns per lane at a time where N % 4 != 0 (N = 7, below one
-    # step of them) and 16 in 16-byte loads where N % 4 == 0 (N = 300: a step and a tail).
+    # step of them) and 16 in 16-byte loads where N % 4 == 0 (N = 300: a step and a tail), which
+    # take a warp per row from half a wave (B = 800 on an H200).
     pytest.param((600, 40, 7), id="B=600,N=7"),
+    pytest.param((800, 40, 300), id="B=800,N=300"),
     pytest.param((2000, 40, 7), id="B=2000,N=7"),
     # K = 40: the float32 path this is checked against takes two splits (an epilogue of its own).
     pytest.param((2000, 40, 300), id="B=2000,N=300"),

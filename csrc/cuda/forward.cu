@@ -235,14 +235,17 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 // (8192 rows = 8192 warps, ~62 per SM on 132 SMs), or, where there is one split (the half path's
 // cuBLAS z) of fewer than kEpilogueWideRowMinColumns columns, once the rows outnumber one wave of
 // the CTA-per-row kernel (DeviceInfo::epilogue_one_split_ctas_per_sm per SM; wide rows keep the
-// wide-row kernel, not measured against a warp per row). Within one wave every row's loads are in
-// flight at once; beyond it each wave of one load, one barrier and one store per CTA adds ~4 us,
-// while a warp per row keeps 8 scalar loads in flight per lane, two rounds at N = 512, or, where
-// N % 4 == 0 and the bias's start allows, 16 columns per lane in one round (4 columns per load:
-// 16 bytes of z, 16 or 8 of the bias). On the H200, bfloat16, N = 512 (NOTES, 2026-12-01): CTA
-// per row 3.5 / 4.8 us at 512 / 1024 rows (one wave: 1056) and 16.1 at 4096 (four); warp per row
-// 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096 with scalar loads, 4.9 / 8.0 at 2048 / 4096
-// with 4 columns per load.
+// wide-row kernel, not measured against a warp per row), or half a wave where the loads take 16
+// bytes. Within one wave every row's loads are in flight at once, but each CTA per SM adds its
+// load, barrier and store (~0.3 us each at 4-8 per SM), and beyond it each wave adds ~4 us. A warp
+// per row keeps 8 scalar loads in flight per lane, two rounds at N = 512, or, where N % 4 == 0 and
+// the bias's start allows, 16 columns per lane in one round (4 columns per load: 16 bytes of z,
+// 16 or 8 of the bias), and evaluates the GELU only on argmax_band.h's band. On the H200,
+// bfloat16, N = 512 (NOTES, 2026-12-01, ~19:50 UTC), own time: CTA per row 3.2 / 3.8 / 4.0 / 4.3
+// / 4.7 us at 512 / 640 / 768 / 896 / 1024 rows (one wave: 1056) and 16.1 at 4096 (four); a warp
+// per row with 16-byte loads and the band 3.5 at every one of those up to 1024, 4.0 / 5.4 at
+// 2048 / 4096 (the crossover near 580 rows; half a wave is 528). Scalar loads (before the band:
+// 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096) keep the one-wave rule.
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
@@ -1407,13 +1410,16 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
           p.splits, [&](auto split_bound) { launch(threads_per_row, split_bound, kScalarLoads); });
     }
   };
+  // A row of one split in 16-byte loads where they stay aligned: N % 4 == 0 keeps every row's
+  // start at the workspace's alignment, and the bias's own start must allow 4 columns at once.
+  const bool vector_loads = p.splits == 1 && p.n % 4 == 0 &&
+                            is_aligned(p.partial, 4 * sizeof(float)) &&
+                            (p.bias == nullptr || is_aligned(p.bias, 4 * sizeof(out_t)));
   const int64_t one_wave_rows = int64_t{info.sms} * info.epilogue_one_split_ctas_per_sm;
+  const int64_t warp_per_row_after = vector_loads ? one_wave_rows / 2 : one_wave_rows;
   if (p.batch >= kEpilogueWarpPerRowMinBatch ||
-      (p.splits == 1 && p.n < kEpilogueWideRowMinColumns && p.batch > one_wave_rows)) {
-    // A row of one split in 16-byte loads where they stay aligned: N % 4 == 0 keeps every row's
-    // start at the workspace's alignment, and the bias's own start must allow 4 columns at once.
-    if (p.splits == 1 && p.n % 4 == 0 && is_aligned(p.partial, 4 * sizeof(float)) &&
-        (p.bias == nullptr || is_aligned(p.bias, 4 * sizeof(out_t)))) {
+      (p.splits == 1 && p.n < kEpilogueWideRowMinColumns && p.batch > warp_per_row_after)) {
+    if (vector_loads) {
       launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{},
              std::integral_constant<int, 4>{});
     } else {
