@@ -620,6 +620,13 @@ HALF_SHAPES = [  # (B, K, N)
     # K = 40: the float32 path this is checked against takes two splits (an epilogue of its own).
     pytest.param((2000, 40, 300), id="B=2000,N=300"),
     pytest.param((2000, 40, 4), id="B=2000,N=4"),  # one 4-column load per row, 31 lanes idle
+    # From 512 rows the GEMM runs in slices of K (on an H200: 4 slices up to 128 tiles of 128 x
+    # 128 outputs x slices, 2 beyond), summed by the epilogue: a warp per row reading every
+    # slice's 16-byte loads, or a CTA per row where N % 4 != 0.
+    pytest.param((600, 2048, 300), id="B=600,K-slices"),
+    pytest.param((1500, 96, 8), id="B=1500,K-slices,N=8"),
+    pytest.param((700, 1024, 301), id="B=700,K-slices,N=301"),
+    pytest.param((2000, 512, 260), id="B=2000,K-slices,N=260"),
 ]
 
 
@@ -678,6 +685,29 @@ def test_one_split_epilogue_over_many_rows_matches_float64(
     vector_loads = threads_per_row == 32 and pooled % 4 == 0 and bias_offset == 0
     assert columns_per_load == (4 if vector_loads else 1), launched
     check_forward(*run(), x, weight, bias, 2.0)
+
+
+@pytest.mark.profiler
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1024, 4096, 512), (2048, 1024, 512), (4096, 512, 512), (1024, 4104, 512)],
+    ids=["B=1024", "B=2048", "B=4096", "K-not-a-multiple-of-32"],
+)
+def test_half_gemm_slices_of_k_follow_the_rule(shape, dtype):
+    # forward.cu's kHalfGemmMaxSplits rule: from 512 rows, the most slices (up to 4) for which
+    # 128 x 128 output tiles x slices fit the SMs and every slice starts 16 bytes apart. The
+    # epilogue's split bound shows the slices (a warp per row past half a wave of rows, which
+    # 1024 rows are on any GPU of up to 256 SMs).
+    batch, in_features, pooled = shape
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    tiles = -(-batch // 128) * -(-pooled // 128)
+    slices = 1
+    while 2 * slices <= 4 and 2 * slices * tiles <= sms and in_features % (16 * slices) == 0:
+        slices *= 2
+    x, weight, bias = _exact_half_inputs(batch, in_features, pooled, dtype)
+    launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, 1.7))
+    assert launched == {(32, slices, 4)}, (launched, slices)
+    _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
 
 @pytest.mark.profiler

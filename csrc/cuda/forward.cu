@@ -29,9 +29,10 @@
 // fit float32's 24 bits, so z is cuBLAS's tensor-core GEMM with float32 accumulation and a float32
 // result (at::mm with out_dtype, PyTorch 2.8 on: the GEMM nn.Linear runs on them, its result kept
 // in float32 instead of rounded to the half type before the GELU), which the epilogue reads as one
-// split. Our kernels would first copy both operands to float32 and then pay for float32-accurate
-// products of values that need no splitting (benchmarks/NOTES.md: 132 us at B = 1024 against 35 for
-// PyTorch's bfloat16 Linear, GELU and max).
+// split, or from 512 rows as up to four slices of K (kHalfGemmMaxSplits). Our kernels would
+// first copy both operands to float32 and then pay for float32-accurate products of values that
+// need no splitting (benchmarks/NOTES.md: 132 us at B = 1024 against 35 for PyTorch's bfloat16
+// Linear, GELU and max).
 // No float atomics and a fixed summation order: bitwise reproducible run to run (the half path as
 // cuBLAS is: on one GPU model, with PyTorch's per-stream workspaces). Allocation goes through
 // PyTorch's allocator only and nothing synchronizes with the host, so the op is CUDA-graph
@@ -39,6 +40,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -248,6 +250,9 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 // 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096) keep the one-wave rule.
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
+// A warp per row reads the 16-byte loads of up to this many splits at once (the half path's K
+// split, kHalfGemmMaxSplits): 16 loads of z per lane at 4, 112 registers (ptxas -v, no spills).
+constexpr int kEpilogueVectorMaxSplits = 4;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
 // thread's GELUs over N / 256 columns make a chain of dependent steps that 8 warps per SM cannot
 // hide, and a small batch leaves most SMs idle. 1024 threads allow at most 64 registers, which
@@ -292,6 +297,24 @@ constexpr int64_t kMaxWorkspaceFloats = (int64_t{16} << 20) / static_cast<int64_
 static_assert(std::max(certified::kMaxSplits, certified::kFusedMaxSplits) * kMaxWorkspaceFloats <=
                   std::numeric_limits<int>::max(),
               "the certified selection's partial offsets fit in an int");
+
+// The half path's GEMM in up to kHalfGemmMaxSplits slices of K (one cuBLAS strided-batched GEMM
+// over views of x and the weight, no copies; the epilogue sums the slices' z): from
+// kHalfGemmSplitMinBatch rows, as many as keep 128 x 128 output tiles x slices within the SMs.
+// Whole, cuBLAS runs 64 x 64 tiles up to ~1024 rows (with its own split-K and a reduction kernel
+// at 512), whose CTAs read x and the weight from L2 twice as often per product as 128 x 128 tiles;
+// the slices give it fewer rows of tiles and a K it splits no further. Measured on the H200,
+// bfloat16, K x N = 8192 x 512, cuBLAS's own time (benchmarks/NOTES.md, 2026-12-01 ~20:10 UTC):
+// whole 12.0 / 19.1 / 30.8 / 45.3 us at 512 / 1024 / 2048 / 4096 rows; 2 slices 11.1 / 16.4 /
+// 24.4 / 46.8; 4 slices 8.4 / 14.1 / 26.3 / 50.1; 8 slices 8.8 / 16.0 / 30.2 / 56.8 (float16
+// alike). The rule picks 4 / 4 / 2 / 1, each the fastest; at most 4 keeps the epilogue's reads
+// of the slices' partials (kEpilogueVectorMaxSplits) at one round of loads per lane. Below 512
+// rows nothing was measured: one slice.
+constexpr int64_t kHalfGemmSplitMinBatch = 512;
+constexpr int64_t kHalfGemmMaxSplits = 4;
+constexpr int64_t kHalfGemmTile = 128;
+// cuBLAS's fast kernels want 16-byte aligned operands: each slice starts 8 half elements apart.
+constexpr int64_t kHalfGemmSliceAlign = 8;
 
 // Largest supported K (padded to a multiple of 4): offsets inside a row, plus two chunks of
 // look-ahead, must fit an int in the GEMV kernel.
@@ -356,6 +379,20 @@ __device__ __forceinline__ Columns<kColumns, T> load_columns(const T* first) {
   }
 }
 
+// A split sum of kColumns adjacent columns of z in sum_few_splits' order (row_max.cuh), from its
+// splits' loads (kSplitBound of them, the ones past the last split repeating it as there): a warp
+// per row and a CTA per row give a row the same z.
+template <int kSplitBound, int kColumns>
+__device__ __forceinline__ float split_sum(const Columns<kColumns, float> (&part)[kSplitBound],
+                                           int splits, int j) {
+  float z = part[0][j];
+#pragma unroll
+  for (int s = 1; s < kSplitBound; ++s) {
+    if (s < splits) z += part[s][j];
+  }
+  return z;
+}
+
 // kSplitBound: the splits' bound for sum_few_splits (1, 2, 4, ..., kEpilogueMaxSplitBound), or 0:
 // batches of kSplitBatch (no split, or more than kEpilogueMaxSplitBound). kColumnsPerLoad: 4 for a
 // warp per row of one split whose loads launch_epilogue found aligned, else 1.
@@ -374,9 +411,9 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + tid / kThreadsPerRow;
   const int col0 = tid % kThreadsPerRow;
 
-  // A warp's row of one split reduces over the warp itself (argmax_band.h's band needs the row's
-  // largest z first).
-  constexpr bool kWarpRowOfOneSplit = kSplitBound == 1 && kThreadsPerRow == 32;
+  // A warp's row of one split, or of up to kSplitBound splits in 16-byte loads, reduces over the
+  // warp itself (argmax_band.h's band needs the row's largest z first).
+  constexpr bool kWarpRow = kThreadsPerRow == 32 && (kSplitBound == 1 || kColumnsPerLoad == 4);
   Candidate best{-INFINITY, p.n, 0.f};
   if (row < p.batch) {
     const float* row_partial = p.partial + row * p.n;
@@ -388,23 +425,35 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
       const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
       if (beats(v, col, best.value, best.index)) best = Candidate{v, col, z};
     };
-    if constexpr (kWarpRowOfOneSplit) {
-      // A warp's row of one split: kLoads loads of z and of the bias per lane issued before their
-      // use (in the full pass, before their GELUs, whose erf branches keep the compiler from
+    if constexpr (kWarpRow) {
+      // A warp's row: kLoads loads of z (of each split) and of the bias per lane issued before
+      // their use (in the full pass, before their GELUs, whose erf branches keep the compiler from
       // hoisting loads across an unrolled loop's columns). Scalar, 8 columns per lane in flight
       // (two rounds at N = 512); 4 columns per load, 16 (the whole of a 512-column row in one
-      // round) for about the registers of the 8.
+      // round) for about the registers of the 8 at one split.
       static_assert(kColumnsPerLoad == 1 || kColumnsPerLoad == 4, "scalar or 16-byte z loads");
       constexpr int kLoads = kColumnsPerLoad == 1 ? 8 : 4;
       constexpr int kStep = kColumnsPerLoad * kThreadsPerRow;  // columns between a lane's loads
+      int split_offset[kSplitBound];
+#pragma unroll
+      for (int s = 0; s < kSplitBound; ++s) {
+        split_offset[s] = min(s, p.splits - 1) * static_cast<int>(p.split_stride);
+      }
       auto for_each_column = [&](auto&& f) {
         for (int64_t base = int64_t{col0} * kColumnsPerLoad; base < p.n; base += kLoads * kStep) {
-          Columns<kColumnsPerLoad, float> z[kLoads] = {};
+          // Every load of the round before any sum: summed per load, ptxas issued the next
+          // load's splits only after the sum (a round trip per load at 4 splits).
+          Columns<kColumnsPerLoad, float> z[kLoads][kSplitBound] = {};
           Columns<kColumnsPerLoad, out_t> b[kLoads] = {};
 #pragma unroll
           for (int u = 0; u < kLoads; ++u) {
             const int64_t col = base + u * kStep;
-            if (col < p.n) z[u] = load_columns<kColumnsPerLoad>(row_partial + col);
+#pragma unroll
+            for (int s = 0; s < kSplitBound; ++s) {
+              if (col < p.n) {
+                z[u][s] = load_columns<kColumnsPerLoad>(row_partial + split_offset[s] + col);
+              }
+            }
             if (col < p.n && bias != nullptr) b[u] = load_columns<kColumnsPerLoad>(bias + col);
           }
           // With kColumnsPerLoad = 4, N % 4 == 0: a load's columns are all inside the row.
@@ -414,7 +463,8 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
             if (col < p.n) {
 #pragma unroll
               for (int j = 0; j < kColumnsPerLoad; ++j) {
-                f(col + j, bias != nullptr ? z[u][j] + b[u][j] : z[u][j]);
+                const float z_sum = split_sum(z[u], p.splits, j);
+                f(col + j, bias != nullptr ? z_sum + b[u][j] : z_sum);
               }
             }
           }
@@ -467,7 +517,7 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
       }
     }
   }
-  if constexpr (!kWarpRowOfOneSplit) best = warp_argmax(best);
+  if constexpr (!kWarpRow) best = warp_argmax(best);
 
   if constexpr (kThreadsPerRow == kCtaThreads) {
     __shared__ float s_value[kWarps];
@@ -937,6 +987,22 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
 
 // Rows per slice (see kMaxWorkspaceFloats): all of them when one split of the whole batch fits,
 // else as many as fit, in whole 128-row tensor-core tiles where that leaves at least one.
+// The half path's slices of K for a GEMM of `rows` rows (kHalfGemmMaxSplits' rule); 1 where x or
+// the weight is not row-major with unit column stride (views of them would not be cuBLAS's
+// operands without a copy).
+int64_t half_gemm_splits(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
+                         int64_t rows, int64_t n, int64_t k) {
+  if (rows < kHalfGemmSplitMinBatch || x.stride(1) != 1 || weight.stride(1) != 1) return 1;
+  const int64_t tiles = ceil_div(rows, kHalfGemmTile) * ceil_div(n, kHalfGemmTile);
+  int64_t splits = 1;
+  while (2 * splits <= kHalfGemmMaxSplits && 2 * splits * tiles <= info.sms &&
+         k % (2 * splits * kHalfGemmSliceAlign) == 0 &&
+         2 * splits * rows * n <= kMaxWorkspaceFloats) {
+    splits *= 2;
+  }
+  return splits;
+}
+
 int64_t rows_per_slice(int64_t batch, int64_t n) {
   if (batch * n <= kMaxWorkspaceFloats) return batch;
   const int64_t rows = std::max<int64_t>(1, kMaxWorkspaceFloats / n);
@@ -1410,18 +1476,21 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
           p.splits, [&](auto split_bound) { launch(threads_per_row, split_bound, kScalarLoads); });
     }
   };
-  // A row of one split in 16-byte loads where they stay aligned: N % 4 == 0 keeps every row's
-  // start at the workspace's alignment, and the bias's own start must allow 4 columns at once.
-  const bool vector_loads = p.splits == 1 && p.n % 4 == 0 &&
-                            is_aligned(p.partial, 4 * sizeof(float)) &&
+  // A row of up to kEpilogueVectorMaxSplits splits in 16-byte loads where they stay aligned:
+  // N % 4 == 0 keeps every row's and every split's start at the workspace's alignment, and the
+  // bias's own start must allow 4 columns at once.
+  const bool vector_loads = p.splits >= 1 && p.splits <= kEpilogueVectorMaxSplits &&
+                            p.n % 4 == 0 && is_aligned(p.partial, 4 * sizeof(float)) &&
                             (p.bias == nullptr || is_aligned(p.bias, 4 * sizeof(out_t)));
   const int64_t one_wave_rows = int64_t{info.sms} * info.epilogue_one_split_ctas_per_sm;
   const int64_t warp_per_row_after = vector_loads ? one_wave_rows / 2 : one_wave_rows;
   if (p.batch >= kEpilogueWarpPerRowMinBatch ||
-      (p.splits == 1 && p.n < kEpilogueWideRowMinColumns && p.batch > warp_per_row_after)) {
+      ((p.splits == 1 || vector_loads) && p.n < kEpilogueWideRowMinColumns &&
+       p.batch > warp_per_row_after)) {
     if (vector_loads) {
-      launch(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{},
-             std::integral_constant<int, 4>{});
+      dispatch_split_bound<kEpilogueVectorMaxSplits>(p.splits, [&](auto split_bound) {
+        launch(std::integral_constant<int, 32>{}, split_bound, std::integral_constant<int, 4>{});
+      });
     } else {
       with_split_bound(std::integral_constant<int, 32>{});
     }
@@ -1492,9 +1561,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     const int64_t rows = std::min(slice_rows, batch - row0);
     int64_t splits = 0;
     if (half_gemm) {
-      // Half-precision operands: z from cuBLAS's tensor-core GEMM in float32 (see the header).
-      workspace = at::mm(rows == batch ? x : x.narrow(0, row0, rows), weight.t(), at::kFloat);
-      splits = 1;
+      // Half-precision operands: z from cuBLAS's tensor-core GEMM in float32 (see the header),
+      // in slices of K where kHalfGemmMaxSplits' rule asks: [splits, rows, n], the workspace's
+      // layout.
+      const at::Tensor x_rows = rows == batch ? x : x.narrow(0, row0, rows);
+      splits = half_gemm_splits(info, x, weight, rows, n, k);
+      if (splits == 1) {
+        workspace = at::mm(x_rows, weight.t(), at::kFloat);
+      } else {
+        const int64_t slice = k / splits;
+        workspace = at::bmm(x_rows.as_strided({splits, rows, slice}, {slice, x.stride(0), 1}),
+                            weight.as_strided({splits, slice, n}, {slice, 1, weight.stride(0)}),
+                            at::kFloat);
+      }
     } else if (k > 0) {
       const int64_t split_cap = std::max<int64_t>(1, kMaxWorkspaceFloats / (slice_rows * n));
       const bool rowwise = use_rowwise(info, slice_rows, n);
