@@ -620,21 +620,38 @@ HALF_SHAPES = [  # (B, K, N)
     # K = 40: the float32 path this is checked against takes two splits (an epilogue of its own).
     pytest.param((2000, 40, 300), id="B=2000,N=300"),
     pytest.param((2000, 40, 4), id="B=2000,N=4"),  # one 4-column load per row, 31 lanes idle
-    # From 512 rows the GEMM runs in slices of K (on an H200: 4 slices up to 128 tiles of 128 x
-    # 128 outputs x slices, 2 beyond), summed by the epilogue: a warp per row reading every
-    # slice's 16-byte loads, or a CTA per row where N % 4 != 0.
-    pytest.param((600, 2048, 300), id="B=600,K-slices"),
-    pytest.param((1500, 96, 8), id="B=1500,K-slices,N=8"),
-    pytest.param((700, 1024, 301), id="B=700,K-slices,N=301"),
-    pytest.param((2000, 512, 260), id="B=2000,K-slices,N=260"),
+    # From 512 rows the GEMM runs in slices of K where N % 4 == 0 (_expected_half_slices; on an
+    # H200 4 slices at B = 600 and 1500, 2 at B = 2000), summed by the epilogue a warp per row in
+    # 16-byte loads; B = 9216 is two slices of rows (the workspace), the second of 1024 rows in 4
+    # slices of K; N = 301 keeps one slice.
+    pytest.param((600, 8192, 300), id="B=600,K-slices"),
+    pytest.param((1500, 8192, 8), id="B=1500,K-slices,N=8"),
+    pytest.param((2000, 4096, 260), id="B=2000,K-slices,N=260"),
+    pytest.param((9216, 8192, 512), id="row-slices,K-slices"),
+    pytest.param((700, 8192, 301), id="B=700,N=301"),
 ]
+
+
+def _expected_half_slices(batch, in_features, pooled):
+    """forward.cu's half_gemm_splits for contiguous operands and a batch within one slice of rows:
+    from 512 rows and N % 4 == 0, the most slices of K (up to 4) for which 128 x 128 output tiles
+    x slices fit the SMs, each slice at least 2048 wide and starting 16 bytes after the last."""
+    if batch < 512 or pooled % 4:
+        return 1
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    tiles = -(-batch // 128) * -(-pooled // 128)
+    slices = 1
+    while (2 * slices <= 4 and 2 * slices * tiles <= sms and in_features >= 2 * slices * 2048
+           and in_features % (16 * slices) == 0):
+        slices *= 2
+    return slices
 
 
 def _exact_half_inputs(batch, in_features, pooled, dtype, bias=True):
     """x = i / 8, weight = j / 16 (|i|, |j| <= 16) and bias = m / 128 (|m| <= 128): exact in
-    float16 and bfloat16; every partial sum of up to 2^13 products, with or without the bias, is a
-    multiple of 2^-7 of magnitude at most 2^14 + 1 (22 significant bits), exact in float32."""
-    assert in_features <= 2**13
+    float16 and bfloat16; every partial sum of up to 2^14 products, with or without the bias, is a
+    multiple of 2^-7 of magnitude at most 2^15 + 1 (23 significant bits), exact in float32."""
+    assert in_features <= 2**14
     x = torch.randint(-16, 17, (batch, in_features), device=DEVICE).to(dtype) / 8
     weight = torch.randint(-16, 17, (pooled, in_features), device=DEVICE).to(dtype) / 16
     b = torch.randint(-128, 129, (pooled,), device=DEVICE).to(dtype) / 128 if bias else None
@@ -690,24 +707,65 @@ def test_one_split_epilogue_over_many_rows_matches_float64(
 @pytest.mark.profiler
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "shape", [(1024, 4096, 512), (2048, 1024, 512), (4096, 512, 512), (1024, 4104, 512)],
-    ids=["B=1024", "B=2048", "B=4096", "K-not-a-multiple-of-32"],
+    "shape",
+    [(1024, 8192, 512), (2048, 4096, 512), (4096, 8192, 512), (1024, 8208, 512),
+     (1024, 8200, 512), (1024, 4096, 512), (1024, 2048, 512), (511, 8192, 512)],
+    ids=["B=1024", "B=2048", "B=4096", "K-a-multiple-of-16-not-32", "K-not-a-multiple-of-16",
+         "K=4096", "K=2048", "B=511"],
 )
 def test_half_gemm_slices_of_k_follow_the_rule(shape, dtype):
-    # forward.cu's kHalfGemmMaxSplits rule: from 512 rows, the most slices (up to 4) for which
-    # 128 x 128 output tiles x slices fit the SMs and every slice starts 16 bytes apart. The
-    # epilogue's split bound shows the slices (a warp per row past half a wave of rows, which
-    # 1024 rows are on any GPU of up to 256 SMs).
+    # The epilogue's split bound shows the GEMM's slices of K (a warp per row past half a wave of
+    # rows, which 1024 rows are on GPUs of fewer than 256 SMs at 8 CTAs per SM; B = 511 one
+    # slice, a CTA per row on an H200 but a warp per row on GPUs of under 128 SMs). On an H200:
+    # 4 / 2 / 1 / 2 / 1 / 2 / 1 / 1 slices.
     batch, in_features, pooled = shape
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    tiles = -(-batch // 128) * -(-pooled // 128)
-    slices = 1
-    while 2 * slices <= 4 and 2 * slices * tiles <= sms and in_features % (16 * slices) == 0:
-        slices *= 2
+    slices = _expected_half_slices(batch, in_features, pooled)
     x, weight, bias = _exact_half_inputs(batch, in_features, pooled, dtype)
     launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, 1.7))
-    assert launched == {(32, slices, 4)}, (launched, slices)
+    if batch >= 1024:
+        assert launched == {(32, slices, 4)}, (launched, slices)
+    else:
+        assert len(launched) == 1 and next(iter(launched))[1] == slices, (launched, slices)
     _assert_half_equals_float32_path(x, weight, bias, 1.7)
+
+
+@pytest.mark.profiler
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_slices_of_k_give_the_same_bits_a_warp_or_a_cta_per_row(dtype):
+    # Random values (sums not exact: their order shows): the same GEMM's slices summed by the
+    # warp per row in 16-byte loads (an aligned bias) and by a CTA per row in scalar loads (a bias
+    # view one element into its storage, the same values), in the same order: the same bits.
+    torch.manual_seed(3)
+    batch, in_features, pooled = 1024, 8192, 512
+    slices = _expected_half_slices(batch, in_features, pooled)
+    if slices == 1:
+        pytest.skip("this GPU's SMs take no slices of K at this shape")
+    x = torch.randn(batch, in_features, device=DEVICE, dtype=dtype)
+    weight = torch.randn(pooled, in_features, device=DEVICE, dtype=dtype) / 64
+    bias = torch.randn(pooled, device=DEVICE, dtype=dtype)
+    shifted = torch.cat([bias.new_zeros(1), bias])[1:]
+    runs = {}
+    for name, b in (("aligned", bias), ("shifted", shifted)):
+        launched = _epilogues_run(lambda b=b: ops.forward_with_argmax(x, weight, b, 1.7))
+        runs[name] = ops.forward_with_argmax(x, weight, b, 1.7)
+        assert len(launched) == 1, launched
+        ((threads_per_row, bound, columns_per_load),) = launched
+        assert bound == slices, launched
+        assert (threads_per_row, columns_per_load) == ((32, 4) if name == "aligned" else (256, 1))
+    for got, want in zip(runs["aligned"], runs["shifted"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_slices_of_k_over_views(dtype):
+    # Slices of K over views: x a column window of a wider tensor (stride(0) > K, a storage
+    # offset), rows of x from the middle of a larger batch, and the weight a column window too.
+    batch, in_features, pooled = 1024, 8192, 512  # 4 slices on an H200
+    x, weight, bias = _exact_half_inputs(batch + 8, in_features + 16, pooled, dtype)
+    x_view = x[5:5 + batch, 8:8 + in_features]
+    weight_view = weight[:, 8:8 + in_features]
+    assert x_view.stride(0) == in_features + 16 and weight_view.storage_offset() == 8
+    _assert_half_equals_float32_path(x_view, weight_view, bias, 1.7)
 
 
 @pytest.mark.profiler
@@ -727,21 +785,35 @@ def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(dtype, bias_o
 
 @pytest.mark.profiler
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-@pytest.mark.parametrize("pooled", [300, 301], ids=["4-column-loads", "scalar-loads"])
+@pytest.mark.parametrize(
+    "batch, in_features, pooled",
+    [(8192, 40, 300), (8192, 40, 301), (1024, 8192, 300)],
+    ids=["4-column-loads", "scalar-loads", "K-slices"],
+)
 @pytest.mark.parametrize("bias_case", ["bias", "shifted", "nan-column"])
 @pytest.mark.parametrize(
     "scale", [1.7, -1.7, 3e-45, 3e37],
     ids=["band", "negative-scale", "subnormal-products", "overflowing-products"],
 )
-def test_warp_row_band_gives_the_bits_of_every_columns_gelu(dtype, pooled, bias_case, scale):
-    # argmax_band.h's band in the warp-per-row epilogue of one split (8192 rows: a warp per row on
-    # any GPU) against the same op on 64 rows at a time (a CTA per row, which evaluates every
-    # column), on exact sums (z the same bits in both). The band decides (scale 1.7: the rows'
-    # largest z in [0, 80], many columns within 2^-10 of it, ties across lanes), does not apply (a
-    # negative scale; rows whose z are all negative, with the bias shifted by -20; a NaN bias
-    # element, which makes one column of every row non-finite among finite ones; rows with a NaN
-    # or an Inf x), or applies and does not decide (scale * gelu subnormal, or overflowing to Inf).
-    x, weight, bias = _exact_half_inputs(8192, 40, pooled, dtype)
+def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
+    dtype, batch, in_features, pooled, bias_case, scale
+):
+    # argmax_band.h's band in the warp-per-row epilogue (8192 rows: a warp per row of one split on
+    # any GPU; 1024 rows of K = 8192: the half GEMM's slices of K, _expected_half_slices) against
+    # the same op on 64 rows at a time (a CTA per row of one split, which evaluates every column),
+    # on exact sums (z the same bits in both). The band decides (scale 1.7: the rows' largest z in
+    # [0, 80], many columns within 2^-10 of it, ties across lanes), does not apply (a negative
+    # scale; rows whose z are all negative, with the bias shifted by -20; a NaN bias element,
+    # which makes one column of every row non-finite among finite ones; rows with a NaN or an Inf
+    # x), or applies and does not decide (scale * gelu subnormal, or overflowing to Inf). With
+    # K = 8192, x is zero but in 40 columns, 10 at the start of each quarter of K (every slice
+    # contributes), so that z has the K = 40 cases' range.
+    x, weight, bias = _exact_half_inputs(batch, in_features, pooled, dtype)
+    if in_features > 40:
+        keep = torch.zeros(in_features, dtype=torch.bool, device=DEVICE)
+        for quarter in range(4):
+            keep[quarter * in_features // 4:][:10] = True
+        x[:, ~keep] = 0
     if bias_case == "shifted":
         bias = bias - 20  # rounded to the half type, still a multiple of 2^-7: z stays exact
     elif bias_case == "nan-column":
@@ -749,12 +821,13 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(dtype, pooled, bias_
     x[5, 3] = float("nan")
     x[6, 7] = float("inf")
     launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale))
-    assert launched == {(32, 1, 4 if pooled % 4 == 0 else 1)}, launched
+    slices = _expected_half_slices(batch, in_features, pooled)
+    assert launched == {(32, slices, 4 if pooled % 4 == 0 else 1)}, launched
     chunk = lambda rows: ops.forward_with_argmax(x[rows], weight, bias, scale)  # noqa: E731
     assert _epilogues_run(lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
     expected = [torch.cat(parts) for parts in zip(
-        *(chunk(slice(row, row + 64)) for row in range(0, 8192, 64)))]
+        *(chunk(slice(row, row + 64)) for row in range(0, batch, 64)))]
     for got, want in zip((out, argmax, preactivation), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert bool(out[5].isnan()) and bool(out[6].isnan())

@@ -11,8 +11,9 @@
 //      v = gelu(z) * scale (NaN where z is not finite, see README "Non-finite values"), and the
 //      (value, index, z) maximum; a CTA per row (256 threads, 1024 for wide rows with few splits)
 //      while B is small, a warp per row from 8192 rows (or, for one split of N < 1024, past one
-//      wave of the 256-thread CTAs), and on sm_90+ the GEMM's programmatic dependent, its CTAs
-//      spread over the SMs (kMaxSpreadCtasPerSm).
+//      wave of the 256-thread CTAs, half a wave with 16-byte loads, as for the half path's slices
+//      of K), and on sm_90+ the GEMM's programmatic dependent, its CTAs spread over the SMs
+//      (kMaxSpreadCtasPerSm).
 // On sm_90a, from kCertifiedMinBatch rows (kCertifiedPreparedMinBatch with a prepared weight, and
 // with one also from kCertifiedFusedMinBatch to one row per SM) for weights large enough
 // (kCertifiedMinColumns and the constants after it; use_certified), the certified path replaces
@@ -234,12 +235,14 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 
 // Epilogue: a whole CTA (256 threads) per row while B is small, so that summing many split
 // partials of one row is spread over many threads; a warp per row once B alone fills the GPU
-// (8192 rows = 8192 warps, ~62 per SM on 132 SMs), or, where there is one split (the half path's
-// cuBLAS z) of fewer than kEpilogueWideRowMinColumns columns, once the rows outnumber one wave of
-// the CTA-per-row kernel (DeviceInfo::epilogue_one_split_ctas_per_sm per SM; wide rows keep the
-// wide-row kernel, not measured against a warp per row), or half a wave where the loads take 16
-// bytes. Within one wave every row's loads are in flight at once, but each CTA per SM adds its
-// load, barrier and store (~0.3 us each at 4-8 per SM), and beyond it each wave adds ~4 us. A warp
+// (8192 rows = 8192 warps, ~62 per SM on 132 SMs), or, for rows of fewer than
+// kEpilogueWideRowMinColumns columns of one split or of the half path's slices of K, once the rows
+// outnumber one wave of the CTA-per-row kernel (DeviceInfo::epilogue_one_split_ctas_per_sm per
+// SM; wide rows keep the wide-row kernel, not measured against a warp per row), or half a wave
+// where the loads take 16 bytes (the half path slices K only where N % 4 == 0; a bias view not
+// 4 columns aligned leaves its slices to a CTA per row). Within one wave every row's loads are in
+// flight at once, but each CTA per SM adds its load, barrier and store (~0.3 us each at 4-8 per
+// SM), and beyond it each wave adds ~4 us. A warp
 // per row keeps 8 scalar loads in flight per lane, two rounds at N = 512, or, where N % 4 == 0 and
 // the bias's start allows, 16 columns per lane in one round (4 columns per load: 16 bytes of z,
 // 16 or 8 of the bias), and evaluates the GELU only on argmax_band.h's band. On the H200,
@@ -250,8 +253,9 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 // 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096) keep the one-wave rule.
 constexpr int kEpilogueThreads = 256;
 constexpr int64_t kEpilogueWarpPerRowMinBatch = 8192;
-// A warp per row reads the 16-byte loads of up to this many splits at once (the half path's K
-// split, kHalfGemmMaxSplits): 16 loads of z per lane at 4, 112 registers (ptxas -v, no spills).
+// A warp per row reads the 16-byte loads of up to this many splits at once, for the half path's
+// slices of K (kHalfGemmMaxSplits): 16 loads of z per lane at 4, 112 registers (ptxas -v, no
+// spills). The float32 GEMMs' split partials keep the epilogues measured for them.
 constexpr int kEpilogueVectorMaxSplits = 4;
 // Wide rows with few splits take a CTA of kEpilogueWideRowThreads per row: at 256 threads, each
 // thread's GELUs over N / 256 columns make a chain of dependent steps that 8 warps per SM cannot
@@ -307,11 +311,15 @@ static_assert(std::max(certified::kMaxSplits, certified::kFusedMaxSplits) * kMax
 // bfloat16, K x N = 8192 x 512, cuBLAS's own time (benchmarks/NOTES.md, 2026-12-01 ~20:10 UTC):
 // whole 12.0 / 19.1 / 30.8 / 45.3 us at 512 / 1024 / 2048 / 4096 rows; 2 slices 11.1 / 16.4 /
 // 24.4 / 46.8; 4 slices 8.4 / 14.1 / 26.3 / 50.1; 8 slices 8.8 / 16.0 / 30.2 / 56.8 (float16
-// alike). The rule picks 4 / 4 / 2 / 1, each the fastest; at most 4 keeps the epilogue's reads
-// of the slices' partials (kEpilogueVectorMaxSplits) at one round of loads per lane. Below 512
-// rows nothing was measured: one slice.
+// alike; five calls back to back, x and the weight in L2: in the op, after the benchmarks' flush,
+// 21.3 -> 17.1 at 1024 rows). The rule picks 4 / 4 / 2 / 1, each the fastest; at most 4 keeps the
+// epilogue's reads of the slices' partials (kEpilogueVectorMaxSplits) at one round of loads per
+// lane. Nothing was measured below 512 rows or with slices of K below 2048 (more z to write and
+// read for less GEMM to share out): one slice there.
 constexpr int64_t kHalfGemmSplitMinBatch = 512;
 constexpr int64_t kHalfGemmMaxSplits = 4;
+constexpr int64_t kHalfGemmMinSliceK = 2048;
+static_assert(kHalfGemmMaxSplits <= kEpilogueVectorMaxSplits, "the epilogue sums every slice");
 constexpr int64_t kHalfGemmTile = 128;
 // cuBLAS's fast kernels want 16-byte aligned operands: each slice starts 8 half elements apart.
 constexpr int64_t kHalfGemmSliceAlign = 8;
@@ -395,7 +403,8 @@ __device__ __forceinline__ float split_sum(const Columns<kColumns, float> (&part
 
 // kSplitBound: the splits' bound for sum_few_splits (1, 2, 4, ..., kEpilogueMaxSplitBound), or 0:
 // batches of kSplitBatch (no split, or more than kEpilogueMaxSplitBound). kColumnsPerLoad: 4 for a
-// warp per row of one split whose loads launch_epilogue found aligned, else 1.
+// warp per row of one split or of the half path's slices of K whose loads launch_epilogue found
+// aligned, else 1.
 template <int kThreadsPerRow, int kSplitBound, typename out_t, int kColumnsPerLoad = 1>
 __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
     argmax_epilogue_kernel(const EpilogueParams p, out_t* __restrict__ out,
@@ -985,24 +994,29 @@ void launch_tc(const TcPlan& plan, const Operand& x, const Operand& w, float* pa
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Rows per slice (see kMaxWorkspaceFloats): all of them when one split of the whole batch fits,
-// else as many as fit, in whole 128-row tensor-core tiles where that leaves at least one.
 // The half path's slices of K for a GEMM of `rows` rows (kHalfGemmMaxSplits' rule); 1 where x or
 // the weight is not row-major with unit column stride (views of them would not be cuBLAS's
-// operands without a copy).
+// operands without a copy), or where N % 4 != 0 (the epilogue would sum the slices a CTA per row,
+// not a warp per row in 16-byte loads).
 int64_t half_gemm_splits(const DeviceInfo& info, const at::Tensor& x, const at::Tensor& weight,
                          int64_t rows, int64_t n, int64_t k) {
-  if (rows < kHalfGemmSplitMinBatch || x.stride(1) != 1 || weight.stride(1) != 1) return 1;
+  if (rows < kHalfGemmSplitMinBatch || n % 4 != 0 || x.stride(1) != 1 || weight.stride(1) != 1) {
+    return 1;
+  }
   const int64_t tiles = ceil_div(rows, kHalfGemmTile) * ceil_div(n, kHalfGemmTile);
   int64_t splits = 1;
+  // The workspace's bound also keeps the epilogue's split offsets in an int; within the SMs'
+  // tiles it does not bind (splits x rows x n <= SMs x 128 x 128).
   while (2 * splits <= kHalfGemmMaxSplits && 2 * splits * tiles <= info.sms &&
-         k % (2 * splits * kHalfGemmSliceAlign) == 0 &&
+         k >= 2 * splits * kHalfGemmMinSliceK && k % (2 * splits * kHalfGemmSliceAlign) == 0 &&
          2 * splits * rows * n <= kMaxWorkspaceFloats) {
     splits *= 2;
   }
   return splits;
 }
 
+// Rows per slice (see kMaxWorkspaceFloats): all of them when one split of the whole batch fits,
+// else as many as fit, in whole 128-row tensor-core tiles where that leaves at least one.
 int64_t rows_per_slice(int64_t batch, int64_t n) {
   if (batch * n <= kMaxWorkspaceFloats) return batch;
   const int64_t rows = std::max<int64_t>(1, kMaxWorkspaceFloats / n);
@@ -1446,8 +1460,8 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
 
 template <typename out_t>
 void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argmax,
-                     at::Tensor& preactivation, const DeviceInfo& info, bool dependent_launch,
-                     cudaStream_t stream) {
+                     at::Tensor& preactivation, const DeviceInfo& info, bool slices_of_k,
+                     bool dependent_launch, cudaStream_t stream) {
   auto launch = [&](auto threads_per_row, auto split_bound, auto columns_per_load) {
     constexpr int kThreadsPerRow = decltype(threads_per_row)::value;
     constexpr int kCtaThreads = epilogue_cta_threads(kThreadsPerRow);
@@ -1476,10 +1490,11 @@ void launch_epilogue(const EpilogueParams& p, at::Tensor& out, at::Tensor& argma
           p.splits, [&](auto split_bound) { launch(threads_per_row, split_bound, kScalarLoads); });
     }
   };
-  // A row of up to kEpilogueVectorMaxSplits splits in 16-byte loads where they stay aligned:
-  // N % 4 == 0 keeps every row's and every split's start at the workspace's alignment, and the
-  // bias's own start must allow 4 columns at once.
-  const bool vector_loads = p.splits >= 1 && p.splits <= kEpilogueVectorMaxSplits &&
+  // A row of one split, or of the half path's slices of K (slices_of_k), in 16-byte loads where
+  // they stay aligned: N % 4 == 0 keeps every row's and every split's start at the workspace's
+  // alignment, and the bias's own start must allow 4 columns at once.
+  const bool vector_loads = (p.splits == 1 || (slices_of_k && p.splits >= 1 &&
+                                               p.splits <= kEpilogueVectorMaxSplits)) &&
                             p.n % 4 == 0 && is_aligned(p.partial, 4 * sizeof(float)) &&
                             (p.bias == nullptr || is_aligned(p.bias, 4 * sizeof(out_t)));
   const int64_t one_wave_rows = int64_t{info.sms} * info.epilogue_one_split_ctas_per_sm;
@@ -1604,7 +1619,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
     at::Tensor argmax_slice = rows_of(argmax);
     at::Tensor preactivation_slice = rows_of(preactivation);
     FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward", [&] {
-      launch_epilogue<scalar_t>(p, out_slice, argmax_slice, preactivation_slice, info, pdl, stream);
+      launch_epilogue<scalar_t>(p, out_slice, argmax_slice, preactivation_slice, info, half_gemm,
+                                pdl, stream);
     });
   }
   return {out, argmax, preactivation};
