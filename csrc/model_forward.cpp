@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "functorch_checks.h"
 #include "op_calls.h"
 
 namespace fused_pool_gelu {
@@ -106,6 +107,7 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
 at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
                                   double scale) {
+  check_no_functorch_autograd_transform("model_forward");
   return ModelForward::apply(x, weight, bias, pool_kernel_size, scale);
 }
 

@@ -11,10 +11,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DispatchKeySet.h>
 #include <torch/library.h>
 
+#include <string>
+#include <string_view>
 #include <tuple>
 
+#include "functorch_checks.h"
 #include "op_calls.h"
 
 namespace fused_pool_gelu {
@@ -32,6 +37,7 @@ static at::Tensor forward_kernel(const at::Tensor& x, const at::Tensor& weight,
 static at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                    const c10::optional<at::Tensor>& bias, double scale,
                                    const c10::optional<at::Tensor>& prepared_weight) {
+  check_no_functorch_autograd_transform("forward");
   const bool needs_grad =
       at::GradMode::is_enabled() &&
       (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
@@ -43,6 +49,7 @@ static at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& weight
 // prepare_weight's autograd kernel: not differentiable (a copy in another precision, for the
 // forward's selection only), so its output never carries a gradient function.
 static at::Tensor prepare_weight_autograd(const at::Tensor& weight) {
+  check_no_functorch_autograd_transform("prepare_weight");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return call_prepare_weight(weight);
 }
@@ -91,6 +98,26 @@ TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
   m.impl("forward", &forward_autograd);
   m.impl("prepare_weight", &prepare_weight_autograd);
+}
+
+// The ops whose autograd kernels are Python's (register_autograd in ops.py) refuse torch.func's
+// autograd transforms one key below them, still at the transform's level (functorch_checks.h);
+// forward, prepare_weight and model_forward check in their C++ autograd kernels, whose calls below
+// autograd skip this key.
+static void refuse_functorch_autograd_transforms(const c10::OperatorHandle& op,
+                                                 c10::DispatchKeySet keys,
+                                                 torch::jit::Stack* stack) {
+  const std::string& name = op.schema().name();  // "fused_pool_gelu::fold"
+  check_no_functorch_autograd_transform(std::string_view(name).substr(name.find("::") + 2));
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+TORCH_LIBRARY_IMPL(fused_pool_gelu, ADInplaceOrView, m) {
+  for (const char* op : {"fold", "fold_backward", "forward_with_argmax", "forward_backward",
+                         "model_backward"}) {
+    m.impl(op,
+           torch::CppFunction::makeFromBoxedFunction<&refuse_functorch_autograd_transforms>());
+  }
 }
 
 }  // namespace fused_pool_gelu

@@ -1032,14 +1032,55 @@ def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(case, device):
             call(dual)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: torch.func's jvp transforms strip the "
-                   "tangent before the op's kernels see it (as for any torch.library op without a "
-                   "forward-mode formula), so jacfwd gives a zero Jacobian; docs/training.md")
-def test_torch_func_jacfwd_raises_instead_of_a_zero_jacobian(device):
+def _jvp_cases(device):
     x, weight, bias = (torch.rand(shape, device=device) for shape in ((3, 8), (8, 8), (8,)))
     pooled_weight, pooled_bias = ops.fold(weight, bias, 2)
-    with pytest.raises(RuntimeError, match="forward-mode AD"):
-        torch.func.jacfwd(lambda t: ops.forward(t, pooled_weight, pooled_bias, 2.0).sum())(x)
+    new = ModelNew(8, 8, 2, 2.0).to(device)
+    # (primal, function of it, the op expected to refuse)
+    return {
+        "forward": (x, lambda t: ops.forward(t, pooled_weight, pooled_bias, 2.0), "forward"),
+        "forward_with_argmax": (
+            pooled_weight, lambda t: ops.forward_with_argmax(x, t, pooled_bias, 2.0)[0],
+            "forward_with_argmax"),
+        "fold": (weight, lambda t: ops.fold(t, bias, 2)[0], "fold"),
+        "fold_backward": (
+            pooled_weight,
+            lambda t: torch.ops.fused_pool_gelu.fold_backward(t, pooled_bias, 8, 2)[0],
+            "fold_backward"),
+        "model_forward": (weight, lambda t: ops.model_forward(x, t, bias, 2, 2.0),
+                          "model_forward"),
+        "ModelNew": (x, new, r"\w+"),
+        # The op's inputs carry no tangent here (its result's tangent is truly zero), but inside
+        # the transform the kernels cannot tell (csrc/functorch_checks.h): refused as well.
+        "ModelNew-on-a-constant": (x, lambda t: new(x) + t.sum(), r"\w+"),
+    }
+
+
+@pytest.mark.parametrize("case", ["forward", "forward_with_argmax", "fold", "fold_backward",
+                                  "model_forward", "ModelNew", "ModelNew-on-a-constant"])
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_torch_func_forward_mode_transforms_raise_instead_of_a_zero_tangent(
+    case, transform, device
+):
+    # functorch unwraps the inputs before the device kernels, which then never see a tangent:
+    # before csrc/functorch_checks.h every one of these returned a zero tangent without an error.
+    primal, fn, op = _jvp_cases(device)[case]
+    message = rf"fused_pool_gelu\.{op}: torch\.func's autograd transforms"
+    with pytest.raises(NotImplementedError, match=message):
+        if transform == "jvp":
+            torch.func.jvp(fn, (primal,), (torch.ones_like(primal),))
+        else:
+            torch.func.jacfwd(lambda t: fn(t).sum())(primal)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_vmap_runs_the_op_per_sample(device):
+    # vmap is not a forward-mode transform: PyTorch's per-sample fallback runs the op (and warns).
+    x, weight, bias = (torch.rand(shape, device=device) for shape in ((4, 3, 8), (8, 8), (8,)))
+    pooled_weight, pooled_bias = ops.fold(weight, bias, 2)
+    batched = torch.func.vmap(lambda t: ops.forward(t, pooled_weight, pooled_bias, 2.0))(x)
+    expected = torch.stack([ops.forward(t, pooled_weight, pooled_bias, 2.0) for t in x])
+    torch.testing.assert_close(batched, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
