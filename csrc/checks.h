@@ -23,7 +23,7 @@ inline void check_rank(const char* op, const char* name, const at::Tensor& t, in
 // Forward-mode AD (torch.autograd.forward_ad) has no formula for these ops, and a tangent reaching
 // a kernel would be dropped: the result's tangent silently zero. Level 0 is the one forward AD
 // supports (PyTorch's generated kernels check the same). torch.func's transforms strip the
-// tangent before the kernels: functorch_checks.h refuses those.
+// tangent before the kernels: registration.cpp's autograd-level checks see it first.
 inline void check_no_tangent(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(!t._fw_grad(/*level=*/0).defined(), "fused_pool_gelu.", op, ": ", name,
               " carries a forward-mode AD tangent; forward-mode AD (torch.func.jvp, jacfwd, "

@@ -20,7 +20,6 @@
 #include <tuple>
 
 #include "checks.h"
-#include "functorch_checks.h"
 #include "op_calls.h"
 
 namespace fused_pool_gelu {
@@ -107,7 +106,10 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
 at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
                                   double scale) {
-  check_no_functorch_autograd_transform("model_forward");
+  // Tangents are visible here under torch.func's jvp, not in the kernels (registration.cpp).
+  check_no_tangent("model_forward", "x", x);
+  check_no_tangent("model_forward", "weight", weight);
+  if (bias.has_value()) check_no_tangent("model_forward", "bias", *bias);
   return ModelForward::apply(x, weight, bias, pool_kernel_size, scale);
 }
 

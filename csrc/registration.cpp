@@ -16,10 +16,9 @@
 #include <torch/library.h>
 
 #include <string>
-#include <string_view>
 #include <tuple>
 
-#include "functorch_checks.h"
+#include "checks.h"
 #include "op_calls.h"
 
 namespace fused_pool_gelu {
@@ -37,7 +36,9 @@ static at::Tensor forward_kernel(const at::Tensor& x, const at::Tensor& weight,
 static at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                    const c10::optional<at::Tensor>& bias, double scale,
                                    const c10::optional<at::Tensor>& prepared_weight) {
-  check_no_functorch_autograd_transform("forward");
+  check_no_tangent("forward", "x", x);
+  check_no_tangent("forward", "weight", weight);
+  if (bias.has_value()) check_no_tangent("forward", "bias", *bias);
   const bool needs_grad =
       at::GradMode::is_enabled() &&
       (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
@@ -49,7 +50,6 @@ static at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& weight
 // prepare_weight's autograd kernel: not differentiable (a copy in another precision, for the
 // forward's selection only), so its output never carries a gradient function.
 static at::Tensor prepare_weight_autograd(const at::Tensor& weight) {
-  check_no_functorch_autograd_transform("prepare_weight");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return call_prepare_weight(weight);
 }
@@ -100,23 +100,34 @@ TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
   m.impl("prepare_weight", &prepare_weight_autograd);
 }
 
-// The ops whose autograd kernels are Python's (register_autograd in ops.py) refuse torch.func's
-// autograd transforms one key below them, still at the transform's level (functorch_checks.h);
-// forward, prepare_weight and model_forward check in their C++ autograd kernels, whose calls below
-// autograd skip this key.
-static void refuse_functorch_autograd_transforms(const c10::OperatorHandle& op,
-                                                 c10::DispatchKeySet keys,
-                                                 torch::jit::Stack* stack) {
+// torch.func's forward-mode transforms (jvp, jacfwd, hessian) run an op's autograd-level kernels
+// (Autograd, then ADInplaceOrView) at the transform's level, where an input's tangent is still
+// visible (_fw_grad(0) on functorch's wrapper), then unwrap the inputs and call the device kernel,
+// whose own check_no_tangent then sees none: without a check at these keys an op without a
+// forward-mode formula, as these are, returns a tangent of zeros with no error. forward and
+// model_forward check in their C++ autograd kernels (whose calls below autograd skip this key);
+// the ops whose autograd kernels are Python's (register_autograd in ops.py) check here, one key
+// below them. Inputs without a tangent (constants inside a transform) pass: their result's zero
+// tangent is the right one.
+static void refuse_tangents(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                            torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
   const std::string& name = op.schema().name();  // "fused_pool_gelu::fold"
-  check_no_functorch_autograd_transform(std::string_view(name).substr(name.find("::") + 2));
+  const std::string op_name = name.substr(name.find("::") + 2);
+  const size_t first = stack->size() - arguments.size();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = (*stack)[first + i];
+    if (value.isTensor() && value.toTensor().defined()) {
+      check_no_tangent(op_name.c_str(), arguments[i].name().c_str(), value.toTensor());
+    }
+  }
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, ADInplaceOrView, m) {
   for (const char* op : {"fold", "fold_backward", "forward_with_argmax", "forward_backward",
                          "model_backward"}) {
-    m.impl(op,
-           torch::CppFunction::makeFromBoxedFunction<&refuse_functorch_autograd_transforms>());
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_tangents>());
   }
 }
 
