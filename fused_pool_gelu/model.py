@@ -166,16 +166,25 @@ class ModelNew(nn.Module):
         self, weight: Tensor, bias: Optional[Tensor]
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """(pooled_weight, pooled_bias, prepared_weight or None), from the cache when valid."""
-        cache = self._fold_cache
         # A plain attribute (as Model's avg_pool.kernel_size): it may change, like the weight.
         pool_kernel_size = self.pool_kernel_size
+        try:
+            stamp = self._stamp(weight, bias)
+        except RuntimeError:
+            # Parameters without storage to stamp: functorch's wrappers (torch.func.vmap over
+            # stacked parameters, an ensemble through functional_call) or other tensor
+            # subclasses. They are new objects at every call anyway: fold them, cache nothing.
+            return (*ops.fold(weight, bias, pool_kernel_size), None)
+        cache = self._fold_cache
         if cache is not None:
-            weight_ref, bias_ref, cached_pool_kernel_size, stamp, folded, folded_versions = cache
+            weight_ref, bias_ref, cached_pool_kernel_size, cached_stamp, folded, folded_versions = (
+                cache
+            )
             cached_bias = None if bias_ref is None else bias_ref()
             same_objects = weight_ref() is weight and cached_bias is bias
             # The folded tensors' versions too: folded_parameters() hands them out.
             if (same_objects and cached_pool_kernel_size == pool_kernel_size
-                    and stamp == self._stamp(weight, bias)
+                    and stamp == cached_stamp
                     and folded_versions == (folded[0]._version, folded[1]._version)):
                 return folded
         # Plain tensors even when called under inference_mode: a frozen model cached there must
@@ -195,7 +204,7 @@ class ModelNew(nn.Module):
             weakref.ref(weight),
             None if bias is None else weakref.ref(bias),
             pool_kernel_size,
-            self._stamp(weight, bias),
+            stamp,
             folded,
             (pooled_weight._version, pooled_bias._version),
         )

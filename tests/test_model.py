@@ -710,3 +710,30 @@ def test_ddp_gradients_equal_single_process_gradients(tmp_path):
         halves = [model(h).mean() for h in x.chunk(2)]
     for saved, expected in zip(ranks, halves):
         torch.testing.assert_close(saved["loss"], expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_an_ensemble_through_torch_func_vmap_matches_its_members(device):
+    # torch.func.stack_module_state + functional_call under vmap: the parameters are functorch's
+    # batched wrappers, with no storage for the fold cache's stamp (this raised "Cannot access
+    # data pointer of Tensor that doesn't have storage"). ModelNew folds them uncached; the
+    # per-sample fallback runs the ops member by member: the members' own bits and gradients.
+    torch.manual_seed(0)
+    x = torch.rand(4, 8, device=device)
+    members = [ModelNew(8, 8, 2, 2.0).to(device) for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+    ensemble = torch.func.vmap(
+        lambda p, b, t: torch.func.functional_call(base, (p, b), (t,)), in_dims=(0, 0, None)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(ensemble(params, buffers, x),
+                                   torch.stack([m(x) for m in members]), rtol=0, atol=0)
+    out = ensemble(params, buffers, x)
+    torch.testing.assert_close(out, torch.stack([m(x) for m in members]), rtol=0, atol=0)
+    out.sum().backward()
+    for member in members:
+        member(x).sum().backward()
+    for name, stacked in params.items():
+        expected = torch.stack([dict(m.named_parameters())[name].grad for m in members])
+        torch.testing.assert_close(stacked.grad, expected)
