@@ -112,13 +112,15 @@ TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
 static void refuse_tangents(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                             torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
-  const std::string& name = op.schema().name();  // "fused_pool_gelu::fold"
-  const std::string op_name = name.substr(name.find("::") + 2);
   const size_t first = stack->size() - arguments.size();
   for (size_t i = 0; i < arguments.size(); ++i) {
     const c10::IValue& value = (*stack)[first + i];
-    if (value.isTensor() && value.toTensor().defined()) {
-      check_no_tangent(op_name.c_str(), arguments[i].name().c_str(), value.toTensor());
+    // The op's short name only for the error: no string work on the calls that pass.
+    if (value.isTensor() && value.toTensor().defined() &&
+        value.toTensor()._fw_grad(/*level=*/0).defined()) {
+      const std::string& name = op.schema().name();  // "fused_pool_gelu::fold"
+      check_no_tangent(name.substr(name.find("::") + 2).c_str(), arguments[i].name().c_str(),
+                       value.toTensor());
     }
   }
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
