@@ -53,7 +53,7 @@ def _is_plain_linear(linear: nn.Module) -> bool:
     """linear(x) is x @ weight.T + bias with nothing else run: nn.Linear's own forward, and no
     module hooks on it (spectral_norm, pruning and the old weight_norm work through forward
     pre-hooks) nor global ones. Only then can ModelNew read the parameters and fold them. (Runs
-    at every call: a few dict truth tests, ~0.2 us.)"""
+    at every call: a few dict truth tests, ~0.3 us.)"""
     return (
         type(linear).forward is _LINEAR_FORWARD
         and not (linear._forward_pre_hooks or linear._forward_hooks

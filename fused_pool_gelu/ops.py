@@ -33,7 +33,7 @@ def prepare_weight(weight: Tensor) -> Tensor:
     Returns a 1-D uint8 tensor of ``N * (128 * ceil(K / 64) + 16)`` bytes: each row of
     ``weight`` scaled by a power of two and rounded to fp16 (128-byte rows), then per row its
     scale and two norms as float32 (layout in csrc/prepared_weight.h). Pass it as
-    ``prepared_weight`` to :func:`forward` with the same ``weight``: the forward's float32-exact
+    ``prepared_weight`` to :func:`forward` with the same ``weight``: the forward's float32-accurate
     certified path (sm_90a, from 513 rows, or with a prepared weight from 257 and from 33 to one
     row per SM, on weights large enough: README, ``FUSED_POOL_GELU_CERTIFIED``) then skips making
     this copy on every call (~8-10 us at K = 8192, N = 512 on an H200). Results are the same bits

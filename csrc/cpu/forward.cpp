@@ -39,8 +39,9 @@ int64_t rows_per_block(int64_t pooled, int64_t element_bytes) {
 
 // scale * gelu(z), with a non-finite pre-activation giving NaN. Why: the reference reaches Inf
 // through the unpooled rows (the mean of +Inf and -Inf rows is NaN there, a finite weight mean
-// here), and torch's own float32 CPU GELU maps +-Inf to NaN, so no Inf result could be matched
-// exactly; NaN says that the row overflowed. See "Non-finite inputs" in README.md.
+// here), and torch's GELU maps -Inf to NaN but +Inf to +Inf: a pre-activation that is +-Inf here
+// may be finite, of the other sign or NaN there, so no Inf result could be matched in general;
+// NaN says that the row overflowed. See "Non-finite values" in README.md.
 template <typename scalar_t>
 scalar_t activation(scalar_t z, scalar_t scale) {
   if (!std::isfinite(z)) return std::numeric_limits<scalar_t>::quiet_NaN();
