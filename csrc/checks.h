@@ -14,8 +14,14 @@
 
 namespace fused_pool_gelu {
 
+// A required tensor argument given as None reaches the kernels as an undefined tensor.
+inline void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), "fused_pool_gelu.", op, ": ", name, " must be a tensor, got None");
+}
+
 inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
                        const char* layout) {
+  check_defined(op, name, t);
   TORCH_CHECK(t.dim() == rank, "fused_pool_gelu.", op, ": ", name, " must be ", rank, "-D ",
               layout, ", got shape ", t.sizes());
 }
@@ -25,6 +31,7 @@ inline void check_rank(const char* op, const char* name, const at::Tensor& t, in
 // supports (PyTorch's generated kernels check the same). torch.func's transforms strip the
 // tangent before the kernels: registration.cpp's autograd-level checks see it first.
 inline void check_no_tangent(const char* op, const char* name, const at::Tensor& t) {
+  check_defined(op, name, t);
   TORCH_CHECK(!t._fw_grad(/*level=*/0).defined(), "fused_pool_gelu.", op, ": ", name,
               " carries a forward-mode AD tangent; forward-mode AD (torch.func.jvp, jacfwd, "
               "torch.autograd.forward_ad) is not supported, use reverse mode (backward, "
@@ -106,6 +113,7 @@ inline void check_fold_backward_inputs(const at::Tensor& grad_pooled_weight,
   check_rank(op, "grad_pooled_weight", grad_pooled_weight, 2, "[pooled_features, in_features]");
   check_unfolded_shape(op, "grad_pooled_weight", grad_pooled_weight, out_features,
                        pool_kernel_size);
+  check_defined(op, "grad_pooled_bias", grad_pooled_bias);
   TORCH_CHECK(grad_pooled_bias.dim() == 1 && grad_pooled_bias.size(0) == grad_pooled_weight.size(0),
               "fused_pool_gelu.fold_backward: grad_pooled_bias must be 1-D [pooled_features] = [",
               grad_pooled_weight.size(0), "], got shape ", grad_pooled_bias.sizes());
@@ -142,6 +150,16 @@ inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
     check_same_dtype(op, "bias", b, "x", x);
     check_no_tangent(op, "bias", b);
   }
+}
+
+// model_forward(x [B, K], weight [O, K], ...): x against the unfolded weight, which the caller
+// passed (fold and forward check the rest; forward's message would name the pooled weight).
+inline void check_model_forward_inputs(const at::Tensor& x, const at::Tensor& weight) {
+  check_rank("model_forward", "x", x, 2, "[batch, in_features]");
+  check_rank("model_forward", "weight", weight, 2, "[out_features, in_features]");
+  TORCH_CHECK(weight.size(1) == x.size(1),
+              "fused_pool_gelu.model_forward: weight must be [out_features, in_features] with "
+              "in_features = x.size(1) = ", x.size(1), ", got shape ", weight.sizes());
 }
 
 // prepare_weight(weight [N, K]): any floating dtype (the copy is made from its float32 values).

@@ -10,7 +10,9 @@
 // same bits as the separate ops.
 //
 // Inputs are validated by the ops it calls, so errors name them (fold: for weight, bias and
-// pool_kernel_size; forward: for x), as they do when ModelNew calls the ops one by one.
+// pool_kernel_size; forward: for x), as they do when ModelNew calls the ops one by one; x's width
+// against the unfolded weight first (check_model_forward_inputs), which forward would report
+// against the pooled weight.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -32,6 +34,7 @@ using torch::autograd::variable_list;
 at::Tensor model_forward_kernel(const at::Tensor& x, const at::Tensor& weight,
                                 const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
                                 double scale) {
+  check_model_forward_inputs(x, weight);
   const auto [pooled_weight, pooled_bias] = call_fold(weight, bias, pool_kernel_size);
   return std::get<0>(call_forward_with_argmax(x, pooled_weight, pooled_bias, scale));
 }
@@ -106,6 +109,7 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
 at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
                                   double scale) {
+  check_model_forward_inputs(x, weight);
   // Tangents are visible here under torch.func's jvp, not in the kernels (registration.cpp).
   check_no_tangent("model_forward", "x", x);
   check_no_tangent("model_forward", "weight", weight);

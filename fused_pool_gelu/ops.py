@@ -297,6 +297,19 @@ def _prepare_weight_fake(weight):
 
 @torch.library.register_fake("fused_pool_gelu::model_forward")
 def _model_forward_fake(x, weight, bias, pool_kernel_size, scale):
+    # csrc/checks.h's check_model_forward_inputs.
+    _check(x.dim() == 2,
+           f"model_forward: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
+    _check(
+        weight.dim() == 2,
+        f"model_forward: weight must be 2-D [out_features, in_features], got shape "
+        f"{list(weight.shape)}",
+    )
+    _check(
+        weight.shape[1] == x.shape[1],
+        f"model_forward: weight must be [out_features, in_features] with in_features = "
+        f"x.size(1) = {x.shape[1]}, got shape {list(weight.shape)}",
+    )
     pooled_weight, pooled_bias = _fold_fake(weight, bias, pool_kernel_size)
     return _forward_fake(x, pooled_weight, pooled_bias, scale)
 

@@ -831,10 +831,11 @@ def _bad_input_cases():
             lambda d: ops.forward_with_argmax(t(4, device=d), t(3, 4, device=d), None, 2.0),
             r"forward: x must be 2-D \[batch, in_features\]",
         ),
-        # model_forward: each argument is checked by the op it goes to (fold, then forward)
+        # model_forward: x and the weight's rank and width by model_forward itself (the weight
+        # the caller passed, not the pooled one), the rest by the op each goes to (fold, forward)
         "model_forward_weight_rank": (
             lambda d: ops.model_forward(t(4, 8, device=d), t(8, device=d), None, 2, 2.0),
-            r"fold: weight must be 2-D \[out_features, in_features\], got shape \[8\]",
+            r"model_forward: weight must be 2-D \[out_features, in_features\], got shape \[8\]",
         ),
         "model_forward_k_above_out_features": (
             lambda d: ops.model_forward(t(4, 8, device=d), t(6, 8, device=d), None, 7, 2.0),
@@ -848,12 +849,48 @@ def _bad_input_cases():
         ),
         "model_forward_x_rank": (
             lambda d: ops.model_forward(t(4, 2, 8, device=d), t(6, 8, device=d), None, 2, 2.0),
-            r"forward: x must be 2-D \[batch, in_features\], got shape \[4, 2, 8\]",
+            r"model_forward: x must be 2-D \[batch, in_features\], got shape \[4, 2, 8\]",
         ),
         "model_forward_mismatched_in_features": (
             lambda d: ops.model_forward(t(4, 9, device=d), t(6, 8, device=d), None, 2, 2.0),
-            r"forward: weight must be \[pooled_features, in_features\] with in_features = "
-            r"x.size\(1\) = 9, got shape \[3, 8\]",
+            r"model_forward: weight must be \[out_features, in_features\] with in_features = "
+            r"x.size\(1\) = 9, got shape \[6, 8\]",
+        ),
+        "model_forward_mismatched_in_features_training": (
+            lambda d: ops.model_forward(
+                t(4, 9, device=d), t(6, 8, device=d).requires_grad_(), None, 2, 2.0
+            ),
+            r"model_forward: weight must be \[out_features, in_features\] with in_features = "
+            r"x.size\(1\) = 9, got shape \[6, 8\]",
+        ),
+        # A required tensor given as None (an undefined tensor to the kernels)
+        "forward_x_none": (
+            lambda d: ops.forward(None, t(3, 32, device=d), None, 2.0),
+            r"forward: x must be a tensor, got None",
+        ),
+        "forward_weight_none": (
+            lambda d: ops.forward(t(4, 32, device=d), None, t(3, device=d), 2.0),
+            r"forward: weight must be a tensor, got None",
+        ),
+        "fold_weight_none": (
+            lambda d: ops.fold(None, t(6, device=d), 2),
+            r"fold: weight must be a tensor, got None",
+        ),
+        "model_forward_x_none": (
+            lambda d: ops.model_forward(None, t(6, 8, device=d), None, 2, 2.0),
+            r"model_forward: x must be a tensor, got None",
+        ),
+        "model_forward_x_none_training": (
+            lambda d: ops.model_forward(None, t(6, 8, device=d).requires_grad_(), None, 2, 2.0),
+            r"model_forward: x must be a tensor, got None",
+        ),
+        "model_forward_weight_none": (
+            lambda d: ops.model_forward(t(4, 8, device=d), None, None, 2, 2.0),
+            r"model_forward: weight must be a tensor, got None",
+        ),
+        "fold_backward_bias_none": (
+            lambda d: _OPS.fold_backward(t(4, 5, device=d), None, 8, 2),
+            r"fold_backward: grad_pooled_bias must be a tensor, got None",
         ),
         "model_forward_x_dtype": (
             lambda d: ops.model_forward(
@@ -1125,11 +1162,13 @@ def test_half_types_on_cpu_compute_in_float32_and_round_once(dtype, make_inputs)
 
 
 # The cases whose checks are on shapes and integer arguments, which the fake kernels mirror (not
-# dtypes or devices, which tracing leaves to the kernels, nor argmax's values).
+# dtypes or devices, which tracing leaves to the kernels, nor argmax's values, nor None where a
+# tensor is required, which tracing cannot pass to a fake kernel as a tensor).
 SHAPE_CASES = [
     case
     for case in BAD_INPUT_CASES
-    if "dtype" not in case and "_int_" not in case and case not in HOST_ONLY_CASES
+    if "dtype" not in case and "_int_" not in case and "_none" not in case
+    and case not in HOST_ONLY_CASES
 ]
 
 
