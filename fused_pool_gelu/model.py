@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import weakref
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules import module as _module
 
 from . import ops
@@ -17,19 +19,20 @@ __all__ = ["Model", "ModelNew"]
 
 
 def _checked_pool_kernel_size(pool_kernel_size) -> int:
-    # AvgPool1d takes a 1-tuple too.
+    # AvgPool1d takes a 1-tuple too, and any integer type (one with __index__: NumPy's, a 0-d
+    # integer tensor); a float with an integral value is accepted as well.
     value = pool_kernel_size
     if isinstance(value, (tuple, list)) and len(value) == 1:
         (value,) = value
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or int(value) != value
-        or value < 1
-    ):
+    if not isinstance(value, bool):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            if isinstance(value, float) and math.isfinite(value) and int(value) == value:
+                value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"pool_kernel_size must be a positive integer, got {pool_kernel_size!r}")
-    return int(value)
+    return value
 
 
 def _pooled_gelu_max(linear_out: Tensor, pool, scale_factor) -> Tensor:
@@ -93,10 +96,11 @@ class ModelNew(nn.Module):
     The pooling is folded into the weight (``ops.fold``) and the rest runs as one fused op
     (``ops.forward``). When no gradient is needed, the folded weight (with, on CUDA in float32,
     its ``ops.prepare_weight`` copy) is cached and refolded only after ``matmul.weight`` or
-    ``matmul.bias`` change (optimizer step, in-place edit, ``load_state_dict``, ``.to()``),
-    detected through the parameters' identity, storage pointer and version counter (no host sync
-    per call), or ``pool_kernel_size`` does. Edits through ``.data`` bypass the version counter; call
-    :meth:`invalidate_fold` after such an edit. When gradients are needed (training), the fold is
+    ``matmul.bias`` change (optimizer step, in-place edit, ``load_state_dict``, ``.to()``, a new
+    tensor assigned to ``.data``), detected through the parameters' identity, storage, data pointer
+    and version counter (no host sync per call), or ``pool_kernel_size`` does. In-place edits
+    through ``.data`` bypass the version counter; call :meth:`invalidate_fold` after such an
+    edit. When gradients are needed (training), the fold is
     recorded in the autograd graph each call so that weight and bias get their gradients: eagerly
     and under CUDA-graph capture through ``ops.model_forward`` (fold and forward as one autograd
     node), under torch.compile and torch.jit.trace through ``ops.fold`` then ``ops.forward``.
@@ -153,14 +157,26 @@ class ModelNew(nn.Module):
 
     @staticmethod
     def _stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
-        # A parameter is unchanged while it is the same object over the same storage with the same
-        # version counter (every in-place op, optimizer steps and load_state_dict included, bumps
-        # it).
+        # A parameter is unchanged while it is the same object over the same storage, at the same
+        # address, with the same version counter (every in-place op, optimizer steps and
+        # load_state_dict included, bumps it). The storage is its StorageImpl's address, which
+        # the cache entry pins with a weak reference (_storage_refs): a storage assigned through
+        # `.data` after the cached one was freed cannot take that address, while its data may
+        # well reuse the freed data's (an allocator hands the same block back).
         # One flat tuple: this runs at every inference call, and host time counts at small batch.
         if bias is None:
-            return (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        return (weight.data_ptr(), weight._version, weight.dtype, weight.device,
-                bias.data_ptr(), bias._version, bias.dtype, bias.device)
+            return (weight.untyped_storage()._cdata, weight.data_ptr(), weight._version,
+                    weight.dtype, weight.device)
+        return (weight.untyped_storage()._cdata, weight.data_ptr(), weight._version,
+                weight.dtype, weight.device, bias.untyped_storage()._cdata, bias.data_ptr(),
+                bias._version, bias.dtype, bias.device)
+
+    @staticmethod
+    def _storage_refs(weight: Tensor, bias: Optional[Tensor]) -> tuple:
+        # Held by the cache entry: while they live, no other storage can have the stamped
+        # StorageImpl addresses (the data itself is freed as usual).
+        refs = (StorageWeakRef(weight.untyped_storage()),)
+        return refs if bias is None else refs + (StorageWeakRef(bias.untyped_storage()),)
 
     def _folded(
         self, weight: Tensor, bias: Optional[Tensor]
@@ -177,9 +193,8 @@ class ModelNew(nn.Module):
             return (*ops.fold(weight, bias, pool_kernel_size), None)
         cache = self._fold_cache
         if cache is not None:
-            weight_ref, bias_ref, cached_pool_kernel_size, cached_stamp, folded, folded_versions = (
-                cache
-            )
+            (weight_ref, bias_ref, cached_pool_kernel_size, cached_stamp, _, folded,
+             folded_versions) = cache
             cached_bias = None if bias_ref is None else bias_ref()
             same_objects = weight_ref() is weight and cached_bias is bias
             # The folded tensors' versions too: folded_parameters() hands them out.
@@ -205,6 +220,7 @@ class ModelNew(nn.Module):
             None if bias is None else weakref.ref(bias),
             pool_kernel_size,
             stamp,
+            self._storage_refs(weight, bias),
             folded,
             (pooled_weight._version, pooled_bias._version),
         )

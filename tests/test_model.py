@@ -138,6 +138,32 @@ def test_invalid_pool_kernel_size_is_rejected(pool_kernel_size):
         ModelNew(16, 8, pool_kernel_size, 2.0)
 
 
+class _Index:
+    """An integer type of its own: only __index__, as AvgPool1d accepts."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+
+@pytest.mark.parametrize("integer", ["numpy.int64", "numpy.int32", "__index__"])
+def test_an_integer_type_pool_kernel_size_is_taken_as_avg_pool1d_takes_it(integer):
+    np = pytest.importorskip("numpy")
+    make = {"numpy.int64": np.int64, "numpy.int32": np.int32, "__index__": _Index}[integer]
+    torch.manual_seed(3)
+    model = Model(24, 16, make(4), 2.0)
+    new = ModelNew(24, 16, make(4), 2.0)
+    new.load_state_dict(model.state_dict())
+    copied = ModelNew.from_model(model)
+    assert type(new.pool_kernel_size) is int and new.pool_kernel_size == 4
+    assert type(copied.pool_kernel_size) is int and copied.pool_kernel_size == 4
+    x = torch.rand(5, 24)
+    torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(copied(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_a_one_tuple_pool_kernel_size_is_taken_as_avg_pool1d_takes_it(device):
     torch.manual_seed(3)
     model = Model(24, 16, (4,), 2.0).to(device)
@@ -379,6 +405,28 @@ def test_cache_refolds_after_replacing_a_parameter(fold_calls, device):
     with torch.no_grad():
         new(x)
         new.matmul.weight = torch.nn.Parameter(torch.randn_like(new.matmul.weight) * 0.1)
+        out = new(x)
+    assert len(fold_calls) == 2
+    torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_refolds_after_data_assignment_of_another_storage_at_the_same_address(fold_calls):
+    # `weight.data = other` keeps the parameter object and its version counter, and the new data
+    # may sit at the old data's address (an allocator hands a freed block back). Made certain
+    # here: two storages over one buffer, the second written through itself (no version bump of
+    # the parameter). The stamp's storage identity tells them apart.
+    new, x = _new_and_input("cpu")
+    weight = new.matmul.weight
+    buffer = bytearray(weight.numel() * weight.element_size())
+    first = torch.frombuffer(buffer, dtype=weight.dtype).view(weight.shape)
+    second = torch.frombuffer(buffer, dtype=weight.dtype).view(weight.shape)
+    with torch.no_grad():
+        first.copy_(weight)
+        weight.data = first
+        new(x)
+        second.copy_(torch.randn_like(second))
+        weight.data = second
+        assert weight.data_ptr() == first.data_ptr()
         out = new(x)
     assert len(fold_calls) == 2
     torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
