@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 
 import torch
@@ -52,6 +53,38 @@ def _non_negative_int(text):
     return _integer_at_least(0, text)
 
 
+def _finite_float(text, positive=False):
+    what = "a finite number > 0" if positive else "a finite number"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _scale(text):
+    # The check compares with Model, which a non-finite scale turns into NaN / Inf outputs and,
+    # through its dense backward, NaN gradients where ours has none (README "Non-finite values").
+    return _finite_float(text)
+
+
+def _repetition_ms(text):
+    return _finite_float(text, positive=True)
+
+
+def _seed(text):
+    # torch.manual_seed's range.
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {value}")
+    return value
+
+
 def _device_name(text):
     try:
         device = torch.device(text)
@@ -81,14 +114,14 @@ def _parse(argv):
                         f"{CPU_DEFAULTS['out_features']} on the CPU")
     p.add_argument("--pool", "-k", type=_positive_int, default=16,
                    help="pool kernel size (default 16)")
-    p.add_argument("--scale", type=float, default=2.0, help="scale factor (default 2.0)")
+    p.add_argument("--scale", type=_scale, default=2.0, help="scale factor (default 2.0)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=_seed, default=0,
                    help="torch.manual_seed for weights and x (default 0)")
     p.add_argument("--no-train", action="store_true",
                    help="skip the training-step check and timing")
     p.add_argument("--no-timing", action="store_true", help="check only")
-    p.add_argument("--rep", type=float, default=None,
+    p.add_argument("--rep", type=_repetition_ms, default=None,
                    help="timed repetition time per measurement in ms "
                         "(default 300 on CUDA, 500 on the CPU)")
     return p.parse_args(argv)

@@ -25,6 +25,12 @@ def test_the_check_passes_on_a_small_cpu_shape(capsys):
         (["-O", "0"], "argument --out-features/-O: expected an integer >= 1, got 0"),
         (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
         (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["--scale", "nan"], "argument --scale: expected a finite number, got 'nan'"),
+        (["--scale=-inf"], "argument --scale: expected a finite number, got '-inf'"),
+        (["--rep", "0"], "argument --rep: expected a finite number > 0, got '0'"),
+        (["--rep", "nan"], "argument --rep: expected a finite number > 0, got 'nan'"),
+        (["--seed", "-1"], "argument --seed: expected an integer in [0, 2**64), got -1"),
+        (["--seed", str(2**64)], f"argument --seed: expected an integer in [0, 2**64), got {2**64}"),
     ],
 )
 def test_bad_arguments_are_usage_errors_naming_the_argument(argv, message, capsys):
