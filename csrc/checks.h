@@ -184,6 +184,7 @@ inline void check_forward_backward_inputs(const c10::optional<at::Tensor>& grad_
   check_forward_inputs(x, weight, c10::nullopt, op, weight_name);
   const int64_t batch = x.size(0);
   auto check_batch_vector = [&](const char* name, const at::Tensor& t) {
+    check_defined(op, name, t);
     TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, "fused_pool_gelu.", op, ": ", name,
                 " must be 1-D [batch] = [", batch, "], got shape ", t.sizes());
     check_same_device(op, name, t, "x", x);

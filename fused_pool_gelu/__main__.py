@@ -75,13 +75,13 @@ def _repetition_ms(text):
 
 
 def _seed(text):
-    # torch.manual_seed's range.
+    # torch.manual_seed's range (a negative seed is taken modulo 2**64).
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
-    if not 0 <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**64), got {text!r}")
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**64), got {value}")
     return value
 
 

@@ -19,8 +19,8 @@ __all__ = ["Model", "ModelNew"]
 
 
 def _checked_pool_kernel_size(pool_kernel_size) -> int:
-    # AvgPool1d takes a 1-tuple too, and any integer type (one with __index__: NumPy's, a 0-d
-    # integer tensor); a float with an integral value is accepted as well.
+    # AvgPool1d takes a 1-tuple too, and any integer type with __index__ (NumPy's scalars); a float
+    # with an integral value is accepted as well.
     value = pool_kernel_size
     if isinstance(value, (tuple, list)) and len(value) == 1:
         (value,) = value
@@ -97,8 +97,8 @@ class ModelNew(nn.Module):
     (``ops.forward``). When no gradient is needed, the folded weight (with, on CUDA in float32,
     its ``ops.prepare_weight`` copy) is cached and refolded only after ``matmul.weight`` or
     ``matmul.bias`` change (optimizer step, in-place edit, ``load_state_dict``, ``.to()``, a new
-    tensor assigned to ``.data``), detected through the parameters' identity, storage, data pointer
-    and version counter (no host sync per call), or ``pool_kernel_size`` does. In-place edits
+    tensor assigned to ``.data``), detected through the parameters' identity, storage, data pointer,
+    shape, strides and version counter (no host sync per call), or ``pool_kernel_size`` does. In-place edits
     through ``.data`` bypass the version counter; call :meth:`invalidate_fold` after such an
     edit. When gradients are needed (training), the fold is
     recorded in the autograd graph each call so that weight and bias get their gradients: eagerly
@@ -157,26 +157,32 @@ class ModelNew(nn.Module):
 
     @staticmethod
     def _stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
-        # A parameter is unchanged while it is the same object over the same storage, at the same
-        # address, with the same version counter (every in-place op, optimizer steps and
-        # load_state_dict included, bumps it). The storage is its StorageImpl's address, which
-        # the cache entry pins with a weak reference (_storage_refs): a storage assigned through
-        # `.data` after the cached one was freed cannot take that address, while its data may
-        # well reuse the freed data's (an allocator hands the same block back).
+        # A parameter is unchanged while it is the same object, viewing the same storage at the
+        # same address with the same shape and strides, with the same version counter (every
+        # in-place op, optimizer steps and load_state_dict included, bumps it; `.data = ...`
+        # does not). The storage is its StorageImpl's address, which the cache entry pins with a
+        # weak reference (_storage_refs): a storage assigned through `.data` after the cached one
+        # was freed cannot take that address, while its data may well reuse the freed data's (an
+        # allocator hands the same block back). As csrc/prepared_weight.cpp records a weight.
         # One flat tuple: this runs at every inference call, and host time counts at small batch.
         if bias is None:
-            return (weight.untyped_storage()._cdata, weight.data_ptr(), weight._version,
-                    weight.dtype, weight.device)
-        return (weight.untyped_storage()._cdata, weight.data_ptr(), weight._version,
-                weight.dtype, weight.device, bias.untyped_storage()._cdata, bias.data_ptr(),
-                bias._version, bias.dtype, bias.device)
+            return (weight.untyped_storage()._cdata, weight.data_ptr(), weight.shape,
+                    weight.stride(), weight._version, weight.dtype, weight.device)
+        return (weight.untyped_storage()._cdata, weight.data_ptr(), weight.shape, weight.stride(),
+                weight._version, weight.dtype, weight.device, bias.untyped_storage()._cdata,
+                bias.data_ptr(), bias.shape, bias.stride(), bias._version, bias.dtype, bias.device)
 
     @staticmethod
-    def _storage_refs(weight: Tensor, bias: Optional[Tensor]) -> tuple:
+    def _storage_refs(weight: Tensor, bias: Optional[Tensor], stamp: tuple) -> Optional[tuple]:
         # Held by the cache entry: while they live, no other storage can have the stamped
-        # StorageImpl addresses (the data itself is freed as usual).
+        # StorageImpl addresses (the data itself is freed as usual). None where a parameter's
+        # storage is no longer the stamped one (another thread assigned `.data` since the stamp):
+        # then nothing is cached.
         refs = (StorageWeakRef(weight.untyped_storage()),)
-        return refs if bias is None else refs + (StorageWeakRef(bias.untyped_storage()),)
+        if bias is not None:
+            refs += (StorageWeakRef(bias.untyped_storage()),)
+        stamped = (stamp[0],) if bias is None else (stamp[0], stamp[7])
+        return refs if tuple(ref.cdata for ref in refs) == stamped else None
 
     def _folded(
         self, weight: Tensor, bias: Optional[Tensor]
@@ -214,16 +220,19 @@ class ModelNew(nn.Module):
                 else None
             )
         folded = (pooled_weight, pooled_bias, prepared_weight)
-        # One assignment of a whole entry: concurrent callers see either the old or the new one.
-        self._fold_cache = (
-            weakref.ref(weight),
-            None if bias is None else weakref.ref(bias),
-            pool_kernel_size,
-            stamp,
-            self._storage_refs(weight, bias),
-            folded,
-            (pooled_weight._version, pooled_bias._version),
-        )
+        storage_refs = self._storage_refs(weight, bias, stamp)
+        if storage_refs is not None:
+            # One assignment of a whole entry: concurrent callers see either the old or the new
+            # one.
+            self._fold_cache = (
+                weakref.ref(weight),
+                None if bias is None else weakref.ref(bias),
+                pool_kernel_size,
+                stamp,
+                storage_refs,
+                folded,
+                (pooled_weight._version, pooled_bias._version),
+            )
         return folded
 
     def _apply(self, fn, *args, **kwargs):
@@ -300,5 +309,7 @@ class ModelNew(nn.Module):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_fold_cache"] = None  # holds weak references, which do not pickle
+        # The entry holds weak references, which do not pickle, and StorageWeakRef objects, which a
+        # copy would free twice: copies and pickles start without one.
+        state["_fold_cache"] = None
         return state

@@ -24,6 +24,8 @@ def fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int) -> Tuple
     consecutive rows (AvgPool1d floor: the ``O % k`` tail rows are dropped). ``pooled_bias`` is
     zeros when ``bias`` is None. Differentiable in ``weight`` and ``bias``.
     """
+    # With no tensor at all the dispatcher would fail before any check, naming no argument.
+    _check_defined("fold", "weight", weight)
     return _ops.fold(weight, bias, pool_kernel_size)
 
 
@@ -47,6 +49,7 @@ def prepare_weight(weight: Tensor) -> Tensor:
     changed in 0.1.0's development): make a new one rather than load one saved by another version.
     Not differentiable.
     """
+    _check_defined("prepare_weight", "weight", weight)  # as in fold
     return _ops.prepare_weight(weight)
 
 
@@ -91,7 +94,8 @@ def model_forward(
 
     Same values and gradients, bit for bit, as :func:`fold` then :func:`forward`, through one C++
     autograd node (csrc/model_forward.cpp) instead of two Python ones: less host time per training
-    step. Errors name the op that checks the argument (``fold`` or ``forward``).
+    step. x's and the weight's ranks and widths are checked as ``model_forward``'s; the rest by the
+    op each argument goes to, whose name the error gives (``fold`` or ``forward``).
     """
     return _ops.model_forward(x, weight, bias, pool_kernel_size, scale)
 
@@ -105,6 +109,11 @@ def model_forward(
 
 def _check(cond, message):
     torch._check(cond, lambda: f"fused_pool_gelu.{message}")
+
+
+def _check_defined(op, name, t):
+    # csrc/checks.h's check_defined: None for a required tensor (the kernels get an undefined one).
+    _check(t is not None, f"{op}: {name} must be a tensor, got None")
 
 
 # c10's names for the dtypes, as csrc/checks.h's messages print them.
@@ -136,6 +145,7 @@ def _check_same_dtype(op, name, t, ref_name, ref):
 
 @torch.library.register_fake("fused_pool_gelu::fold")
 def _fold_fake(weight, bias, pool_kernel_size):
+    _check_defined("fold", "weight", weight)
     _check(
         weight.dim() == 2,
         f"fold: weight must be 2-D [out_features, in_features], got shape {list(weight.shape)}",
@@ -172,6 +182,7 @@ def _check_unfolded_shape(op, name, pooled, out_features, pool_kernel_size):
 @torch.library.register_fake("fused_pool_gelu::fold_backward")
 def _fold_backward_fake(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size):
     op = "fold_backward"
+    _check_defined(op, "grad_pooled_weight", grad_pooled_weight)
     _check(
         grad_pooled_weight.dim() == 2,
         f"{op}: grad_pooled_weight must be 2-D [pooled_features, in_features], got shape "
@@ -180,6 +191,7 @@ def _fold_backward_fake(grad_pooled_weight, grad_pooled_bias, out_features, pool
     _check_unfolded_shape(op, "grad_pooled_weight", grad_pooled_weight, out_features,
                           pool_kernel_size)
     rows = grad_pooled_weight.shape[0]
+    _check_defined(op, "grad_pooled_bias", grad_pooled_bias)
     _check(
         grad_pooled_bias.dim() == 1 and grad_pooled_bias.shape[0] == rows,
         f"{op}: grad_pooled_bias must be 1-D [pooled_features] = [{rows}], got shape "
@@ -197,6 +209,8 @@ def _fold_backward_fake(grad_pooled_weight, grad_pooled_bias, out_features, pool
 
 def _check_forward_shapes(x, weight, bias, op="forward", weight_name="weight"):
     # op and weight_name: as check_forward_inputs' (the backward ops check the same inputs).
+    _check_defined(op, "x", x)
+    _check_defined(op, weight_name, weight)
     _check(x.dim() == 2, f"{op}: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
     _check(
         weight.dim() == 2,
@@ -225,10 +239,13 @@ def _check_forward_shapes(x, weight, bias, op="forward", weight_name="weight"):
         _check_same_dtype(op, "bias", bias, "x", x)
 
 
-def _check_batch_vectors(op, x, **vectors):
-    # As check_forward_backward_inputs: on x's device; argmax int64, the others x's dtype.
+def _check_batch_vectors(op, x, optional=(), **vectors):
+    # As check_forward_backward_inputs: on x's device; argmax int64, the others x's dtype. Those
+    # named in `optional` may be None.
     batch = x.shape[0]
     for name, t in vectors.items():
+        if name not in optional:
+            _check_defined(op, name, t)
         if t is not None:
             _check(
                 t.dim() == 1 and t.shape[0] == batch,
@@ -286,6 +303,7 @@ def _forward_fake(x, weight, bias, scale, prepared_weight=None):
 
 @torch.library.register_fake("fused_pool_gelu::prepare_weight")
 def _prepare_weight_fake(weight):
+    _check_defined("prepare_weight", "weight", weight)
     _check(
         weight.dim() == 2,
         f"prepare_weight: weight must be 2-D [pooled_features, in_features], got shape "
@@ -295,9 +313,10 @@ def _prepare_weight_fake(weight):
     return weight.new_empty((size,), dtype=torch.uint8)
 
 
-@torch.library.register_fake("fused_pool_gelu::model_forward")
-def _model_forward_fake(x, weight, bias, pool_kernel_size, scale):
+def _check_model_forward_inputs(x, weight):
     # csrc/checks.h's check_model_forward_inputs.
+    _check_defined("model_forward", "x", x)
+    _check_defined("model_forward", "weight", weight)
     _check(x.dim() == 2,
            f"model_forward: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
     _check(
@@ -310,6 +329,11 @@ def _model_forward_fake(x, weight, bias, pool_kernel_size, scale):
         f"model_forward: weight must be [out_features, in_features] with in_features = "
         f"x.size(1) = {x.shape[1]}, got shape {list(weight.shape)}",
     )
+
+
+@torch.library.register_fake("fused_pool_gelu::model_forward")
+def _model_forward_fake(x, weight, bias, pool_kernel_size, scale):
+    _check_model_forward_inputs(x, weight)
     pooled_weight, pooled_bias = _fold_fake(weight, bias, pool_kernel_size)
     return _forward_fake(x, pooled_weight, pooled_bias, scale)
 
@@ -318,7 +342,8 @@ def _model_forward_fake(x, weight, bias, pool_kernel_size, scale):
 def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale):
     op = "forward_backward"
     _check_forward_shapes(x, weight, None, op)
-    _check_batch_vectors(op, x, argmax=argmax, preactivation=preactivation, grad_out=grad_out,
+    _check_batch_vectors(op, x, optional=("grad_out", "grad_preactivation"), argmax=argmax,
+                         preactivation=preactivation, grad_out=grad_out,
                          grad_preactivation=grad_preactivation)
     return (
         x.new_empty(x.shape),
@@ -481,7 +506,9 @@ _autocast_lib = torch.library.Library("fused_pool_gelu", "IMPL")
 
 def _model_forward_autocast(x, weight, bias, pool_kernel_size, scale):
     # Through the public wrappers, as ModelNew's other paths call the ops (and as
-    # test_model_new_folds_in_float32_under_autocast observes them).
+    # test_model_new_folds_in_float32_under_autocast observes them), after model_forward's own
+    # checks (its C++ kernels', which this path does not reach).
+    _check_model_forward_inputs(x, weight)
     return forward(x, *fold(weight, bias, pool_kernel_size), scale)
 
 

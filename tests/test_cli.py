@@ -29,8 +29,10 @@ def test_the_check_passes_on_a_small_cpu_shape(capsys):
         (["--scale=-inf"], "argument --scale: expected a finite number, got '-inf'"),
         (["--rep", "0"], "argument --rep: expected a finite number > 0, got '0'"),
         (["--rep", "nan"], "argument --rep: expected a finite number > 0, got 'nan'"),
-        (["--seed", "-1"], "argument --seed: expected an integer in [0, 2**64), got -1"),
-        (["--seed", str(2**64)], f"argument --seed: expected an integer in [0, 2**64), got {2**64}"),
+        (["--seed", str(-(2**63) - 1)],
+         f"argument --seed: expected an integer in [-2**63, 2**64), got {-(2**63) - 1}"),
+        (["--seed", str(2**64)],
+         f"argument --seed: expected an integer in [-2**63, 2**64), got {2**64}"),
     ],
 )
 def test_bad_arguments_are_usage_errors_naming_the_argument(argv, message, capsys):

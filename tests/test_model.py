@@ -432,6 +432,37 @@ def test_cache_refolds_after_data_assignment_of_another_storage_at_the_same_addr
     torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
 
 
+def test_cache_refolds_after_data_assignments_whose_storage_was_freed():
+    # The common form of the case above: the cached storage freed (`.data` replaced twice), and a
+    # new one allocated where it was. Without the cache entry's weak references to the stamped
+    # storages about half of these calls served the old fold on this CPU's allocator.
+    for shape in [(40, 48), (64, 32)]:
+        torch.manual_seed(7)
+        new = ModelNew(shape[1], shape[0], 4, 2.0)
+        x = torch.randn(6, shape[1])
+        weight = new.matmul.weight
+        for trial in range(40):
+            with torch.no_grad():
+                new(x)
+                weight.data = torch.empty(0)
+                weight.data = torch.randn(shape)
+                out = new(x)
+                fresh = ops.forward(x, *ops.fold(weight, new.matmul.bias, 4), new.scale_factor)
+            assert torch.equal(out, fresh), f"stale fold after .data reassignment (trial {trial})"
+
+
+def test_cache_refolds_after_data_assignment_of_a_view_of_the_same_storage(fold_calls):
+    # Same storage, address and version counter: the shape and strides tell the views apart.
+    new, x = _new_and_input("cpu", args=(40, 40, 4, 2.0))
+    weight = new.matmul.weight
+    with torch.no_grad():
+        new(x)
+        weight.data = weight.data.t()
+        out = new(x)
+    assert len(fold_calls) == 2
+    torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
 def test_invalidate_fold_forces_a_refold_after_a_data_edit(fold_calls, device):
     new, x = _new_and_input(device)
     with torch.no_grad():

@@ -8,6 +8,7 @@ non-contiguous inputs, special values; then opcheck and the documented errors.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -892,6 +893,26 @@ def _bad_input_cases():
             lambda d: _OPS.fold_backward(t(4, 5, device=d), None, 8, 2),
             r"fold_backward: grad_pooled_bias must be a tensor, got None",
         ),
+        "fold_no_tensor_none": (  # no tensor at all: the Python wrapper's check, not the kernels'
+            lambda d: ops.fold(None, None, 2),
+            r"fold: weight must be a tensor, got None",
+        ),
+        "prepare_weight_none": (
+            lambda d: ops.prepare_weight(None),
+            r"prepare_weight: weight must be a tensor, got None",
+        ),
+        "forward_backward_argmax_none": (
+            lambda d: fwb(d, argmax=None)(),
+            r"forward_backward: argmax must be a tensor, got None",
+        ),
+        "forward_backward_preactivation_none": (
+            lambda d: fwb(d, pre=None)(),
+            r"forward_backward: preactivation must be a tensor, got None",
+        ),
+        "model_backward_grad_out_none": (
+            lambda d: model_backward(d, grad_out=None)(),
+            r"model_backward: grad_out must be a tensor, got None",
+        ),
         "model_forward_x_dtype": (
             lambda d: ops.model_forward(
                 t(4, 8, dtype=torch.float64, device=d), t(6, 8, device=d), None, 2, 2.0
@@ -1161,23 +1182,38 @@ def test_half_types_on_cpu_compute_in_float32_and_round_once(dtype, make_inputs)
             assert half.dtype == dtype and torch.equal(half, single.to(dtype))
 
 
-# The cases whose checks are on shapes and integer arguments, which the fake kernels mirror (not
-# dtypes or devices, which tracing leaves to the kernels, nor argmax's values, nor None where a
-# tensor is required, which tracing cannot pass to a fake kernel as a tensor).
+# The cases whose checks are on shapes, integer arguments and None, which the fake kernels mirror
+# (not dtypes or devices, which tracing leaves to the kernels, nor argmax's values).
 SHAPE_CASES = [
     case
     for case in BAD_INPUT_CASES
-    if "dtype" not in case and "_int_" not in case and "_none" not in case
-    and case not in HOST_ONLY_CASES
+    if "dtype" not in case and "_int_" not in case and case not in HOST_ONLY_CASES
 ]
 
 
+# With autograd, model_forward's C++ autograd kernel checks before its fake kernel runs; under
+# inference_mode the fake kernels are reached directly (as for meta tensors).
+@pytest.mark.parametrize("grad_mode", ["autograd", "inference_mode"])
 @pytest.mark.parametrize("case", SHAPE_CASES)
-def test_fake_kernels_raise_the_eager_shape_errors(case):
+def test_fake_kernels_raise_the_eager_shape_errors(case, grad_mode):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if grad_mode == "inference_mode" and case.endswith("_training"):
+        pytest.skip("a tensor that requires grad cannot be made under inference_mode")
     call, message = BAD_INPUT_CASES[case]
-    with FakeTensorMode(), pytest.raises(RuntimeError, match=message):
+    mode = torch.inference_mode() if grad_mode == "inference_mode" else contextlib.nullcontext()
+    with FakeTensorMode(), mode, pytest.raises(RuntimeError, match=message):
+        call("cpu")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["model_forward_mismatched_in_features", "model_forward_x_rank", "model_forward_weight_none"],
+)
+def test_model_forward_under_autocast_checks_its_own_inputs(case):
+    # Its autocast kernel is Python (fold then forward): the checks of its C++ kernels, first.
+    call, message = BAD_INPUT_CASES[case]
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match=message):
         call("cpu")
 
 
