@@ -15,9 +15,8 @@
 // both (multicast) and releasing a stage in both.
 //
 // x [rows, K] and the weight [n, K] contiguous, K a multiple of 8 (TMA's 16-byte row stride).
-// Built by benchmarks/half_gemm_row_max.py, which times it against cuBLAS and the package:
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -shared
-//        -Xcompiler -fPIC -I csrc -o /tmp/libhalf_gemm_row_max.so benchmarks/half_gemm_row_max.cu
+// Built by benchmarks/half_gemm_row_max.py (nvcc, sm_90a, with csrc/ and torch's include paths:
+// the package's headers include ATen's), which times it against cuBLAS and the package.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -28,17 +27,22 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <type_traits>
 
 #include "argmax_band.h"
+#include "cuda/common.cuh"             // gelu
+#include "cuda/forward_gemm_sm90.cuh"  // the mbarrier, TMA and wgmma helpers of the package's GEMMs
+#include "cuda/row_max.cuh"            // torch.max's rule: beats, Candidate
 
 namespace fused_half_gemm {
 
 constexpr int kBlockM = 128;
 constexpr int kBlockK = 64;  // 128 bytes of a half type: one swizzle row
-constexpr int kThreads = 384;
-constexpr int kConsumerWarps = 8;
+// One producer warpgroup and two consumer warpgroups, as the package's wgmma GEMMs (whose
+// consumer_barrier counts on it).
+constexpr int kThreads = fused_pool_gelu::cuda::forward_gemm::kWgThreads;
+constexpr int kConsumerWarps = fused_pool_gelu::cuda::forward_gemm::kWgConsumerWarps;
 constexpr int kRingBytes = 192 * 1024;
-constexpr double kSqrtHalf = 0.70710678118654752440;
 
 template <int kBlockN, int kBoxes = 1, int kRing = kRingBytes>
 struct Tile {
@@ -54,38 +58,12 @@ struct Tile {
   static constexpr int kAccum = kBlockN / 2;
 };
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbarrier_init(uint32_t b, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint32_t b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(b) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(uint32_t b, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(b),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void fence_mbarrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t b, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int32_t k,
-                                         int32_t row, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
-      : "memory");
-}
+using namespace fused_pool_gelu::cuda;
+using namespace fused_pool_gelu::cuda::forward_gemm;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// The cluster pieces the package's kernels do not use.
 __device__ __forceinline__ void tma_load_multicast(uint32_t dst, const CUtensorMap* map, int32_t k,
                                                    int32_t row, uint32_t bar, uint16_t mask) {
   asm volatile(
@@ -109,27 +87,10 @@ __device__ __forceinline__ void mbarrier_arrive_remote(uint32_t b, uint32_t rank
       "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(b), "r"(rank)
       : "memory");
 }
-__device__ __forceinline__ uint64_t descriptor(uint32_t address) {
-  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
-}
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
+// forward_gemm_sm90.cuh waits for all groups; the pipeline here keeps one in flight.
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-template <bool kIncrease, int kCount>
-__device__ __forceinline__ void set_max_registers() {
-  if constexpr (kIncrease) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kCount));
-  } else {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kCount));
-  }
 }
 
 #define ACC8(i)                                                                               \
@@ -156,28 +117,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b)
                  : "l"(a), "l"(b));
   }
 }
-__device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
-  const bool a_nan = isnan(va);
-  const bool b_nan = isnan(vb);
-  if (a_nan || b_nan) return a_nan && (!b_nan || ia < ib);
-  return va > vb || (va == vb && ia < ib);
-}
-struct Candidate {
-  float value;
-  int index;
-  float z;
-  __device__ void take(const Candidate& o) {
-    if (beats(o.value, o.index, value, index)) *this = o;
-  }
-  __device__ Candidate shfl_xor(int mask) const {
-    return Candidate{__shfl_xor_sync(0xffffffffu, value, mask),
-                     __shfl_xor_sync(0xffffffffu, index, mask),
-                     __shfl_xor_sync(0xffffffffu, z, mask)};
-  }
-};
-__device__ __forceinline__ float gelu(float z) {
-  return 0.5f * z * (1.f + erff(z * static_cast<float>(kSqrtHalf)));
-}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 struct Params {
   const void* bias;
@@ -192,6 +132,7 @@ template <typename T, int kBlockN, int kBoxes, int kRing, bool kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_row_max_kernel(const Params p, const __grid_constant__ CUtensorMap map_x,
                         const __grid_constant__ CUtensorMap map_w, int num_k_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using TileT = Tile<kBlockN, kBoxes, kRing>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (shared_address(smem_raw) + 1023) & ~1023u;
@@ -264,8 +205,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < kBoxes * kBlockK / 16; ++kk) {
       const int box = kk / (kBlockK / 16);
       const int step = kk % (kBlockK / 16);
-      wgmma_ss<T>(acc, descriptor(x_tile + box * TileT::kXBoxBytes + 32 * step),
-                  descriptor(w_tile + box * TileT::kWBoxBytes + 32 * step));
+      wgmma_ss<T>(acc, swizzled_tile_descriptor(x_tile + box * TileT::kXBoxBytes + 32 * step),
+                  swizzled_tile_descriptor(w_tile + box * TileT::kWBoxBytes + 32 * step));
     }
     wgmma_commit();
     wgmma_wait<1>();
@@ -278,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   wgmma_wait<0>();
-  asm volatile("bar.sync 1, 256;" ::: "memory");  // bias_s written
+  consumer_barrier();  // bias_s written
 
   const int g = lane / 4;
   const int t = lane % 4;
@@ -323,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    best.take(best.shfl_xor(1));
-    best.take(best.shfl_xor(2));
+    best.take_if_better(best.shfl_xor(1));
+    best.take_if_better(best.shfl_xor(2));
     const bool decided = applies && fused_pool_gelu::argmax_band_decided(best.value);
     if (!decided) {
       best = Candidate{-INFINITY, p.n, 0.f};
@@ -337,16 +278,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    best.take(best.shfl_xor(1));
-    best.take(best.shfl_xor(2));
+    best.take_if_better(best.shfl_xor(1));
+    best.take_if_better(best.shfl_xor(2));
     if (t == 0 && row < p.rows) {
       const int64_t i = static_cast<int64_t>(row) * p.n_tiles + blockIdx.x;
       p.part_value[i] = best.value;
-      p.part_index[i] = best.index;
+      p.part_index[i] = static_cast<int>(best.index);
       p.part_z[i] = best.z;
     }
   }
   if constexpr (kCluster) cluster_sync();
+#else
+  __trap();  // sm_90a only
+#endif
 }
 
 template <typename T>
@@ -356,7 +300,7 @@ __global__ void combine_kernel(const Params p, T* out, int64_t* argmax, T* preac
   Candidate best{-INFINITY, p.n, 0.f};
   for (int i = 0; i < p.n_tiles; ++i) {
     const int64_t j = static_cast<int64_t>(row) * p.n_tiles + i;
-    best.take(Candidate{p.part_value[j], p.part_index[j], p.part_z[j]});
+    best.take_if_better(Candidate{p.part_value[j], p.part_index[j], p.part_z[j]});
   }
   out[row] = static_cast<T>(best.value);
   argmax[row] = best.index;

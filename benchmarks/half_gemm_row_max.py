@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 
 import torch
+import torch.utils.cpp_extension
 import triton.testing
 
 import fused_pool_gelu  # noqa: F401  (registers torch.ops.fused_pool_gelu)
@@ -41,10 +42,14 @@ BLOCK_N = 128  # the experiment's column tile
 def build(out_dir):
     library = os.path.join(out_dir, "libhalf_gemm_row_max.so")
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    # The package's headers (its GEMMs' mbarrier / TMA / wgmma helpers, torch.max's rule) include
+    # ATen's: torch's include paths and ABI, as setup.py builds them.
+    includes = [os.path.join(HERE, "..", "csrc"), *torch.utils.cpp_extension.include_paths()]
     subprocess.run(
-        [nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+        [nvcc, "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
          "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
-         "-I", os.path.join(HERE, "..", "csrc"), "-o", library, SOURCE],
+         *(f"-I{path}" for path in includes), "-o", library, SOURCE],
         check=True,
     )
     lib = ctypes.CDLL(library)

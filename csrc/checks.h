@@ -123,17 +123,24 @@ inline void check_fold_backward_inputs(const at::Tensor& grad_pooled_weight,
                    grad_pooled_weight);
 }
 
+// x [B, K] and a weight [rows, K] of `layout` ("[pooled_features, in_features]" or
+// "[out_features, in_features]"): their ranks and K.
+inline void check_x_and_weight(const char* op, const at::Tensor& x, const char* weight_name,
+                               const at::Tensor& weight, const char* layout) {
+  check_rank(op, "x", x, 2, "[batch, in_features]");
+  check_rank(op, weight_name, weight, 2, layout);
+  TORCH_CHECK(weight.size(1) == x.size(1), "fused_pool_gelu.", op, ": ", weight_name, " must be ",
+              layout, " with in_features = x.size(1) = ", x.size(1), ", got shape ",
+              weight.sizes());
+}
+
 // The tensors of forward_with_argmax(x [B, K], weight [N, K], bias [N] or None, scale). op and
 // weight_name: the op and the weight's argument named in errors (the backward ops check the same
 // inputs).
 inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
                                  const c10::optional<at::Tensor>& bias, const char* op = "forward",
                                  const char* weight_name = "weight") {
-  check_rank(op, "x", x, 2, "[batch, in_features]");
-  check_rank(op, weight_name, weight, 2, "[pooled_features, in_features]");
-  TORCH_CHECK(weight.size(1) == x.size(1), "fused_pool_gelu.", op, ": ", weight_name,
-              " must be [pooled_features, in_features] with in_features = x.size(1) = ", x.size(1),
-              ", got shape ", weight.sizes());
+  check_x_and_weight(op, x, weight_name, weight, "[pooled_features, in_features]");
   TORCH_CHECK(weight.size(0) >= 1, "fused_pool_gelu.", op, ": ", weight_name,
               " must have at least one row (pooled feature) to take the max over, got shape ",
               weight.sizes());
@@ -155,11 +162,7 @@ inline void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight,
 // model_forward(x [B, K], weight [O, K], ...): x against the unfolded weight, which the caller
 // passed (fold and forward check the rest; forward's message would name the pooled weight).
 inline void check_model_forward_inputs(const at::Tensor& x, const at::Tensor& weight) {
-  check_rank("model_forward", "x", x, 2, "[batch, in_features]");
-  check_rank("model_forward", "weight", weight, 2, "[out_features, in_features]");
-  TORCH_CHECK(weight.size(1) == x.size(1),
-              "fused_pool_gelu.model_forward: weight must be [out_features, in_features] with "
-              "in_features = x.size(1) = ", x.size(1), ", got shape ", weight.sizes());
+  check_x_and_weight("model_forward", x, "weight", weight, "[out_features, in_features]");
 }
 
 // prepare_weight(weight [N, K]): any floating dtype (the copy is made from its float32 values).

@@ -64,12 +64,6 @@ def _finite_float(text, positive=False):
     return value
 
 
-def _scale(text):
-    # The check compares with Model, which a non-finite scale turns into NaN / Inf outputs and,
-    # through its dense backward, NaN gradients where ours has none (README "Non-finite values").
-    return _finite_float(text)
-
-
 def _repetition_ms(text):
     return _finite_float(text, positive=True)
 
@@ -114,7 +108,10 @@ def _parse(argv):
                         f"{CPU_DEFAULTS['out_features']} on the CPU")
     p.add_argument("--pool", "-k", type=_positive_int, default=16,
                    help="pool kernel size (default 16)")
-    p.add_argument("--scale", type=_scale, default=2.0, help="scale factor (default 2.0)")
+    # Finite: the check compares with Model, which a non-finite scale turns into NaN / Inf outputs
+    # and, through its dense backward, NaN gradients where ours has none (README "Non-finite
+    # values").
+    p.add_argument("--scale", type=_finite_float, default=2.0, help="scale factor (default 2.0)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--seed", type=_seed, default=0,
                    help="torch.manual_seed for weights and x (default 0)")

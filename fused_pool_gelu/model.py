@@ -164,12 +164,13 @@ class ModelNew(nn.Module):
         # weak reference (_storage_refs): a storage assigned through `.data` after the cached one
         # was freed cannot take that address, while its data may well reuse the freed data's (an
         # allocator hands the same block back). As csrc/prepared_weight.cpp records a weight.
-        # One flat tuple: this runs at every inference call, and host time counts at small batch.
+        # One flat tuple, the storages first (_storage_refs compares them): this runs at every
+        # inference call, and host time counts at small batch.
         if bias is None:
             return (weight.untyped_storage()._cdata, weight.data_ptr(), weight.shape,
                     weight.stride(), weight._version, weight.dtype, weight.device)
-        return (weight.untyped_storage()._cdata, weight.data_ptr(), weight.shape, weight.stride(),
-                weight._version, weight.dtype, weight.device, bias.untyped_storage()._cdata,
+        return (weight.untyped_storage()._cdata, bias.untyped_storage()._cdata, weight.data_ptr(),
+                weight.shape, weight.stride(), weight._version, weight.dtype, weight.device,
                 bias.data_ptr(), bias.shape, bias.stride(), bias._version, bias.dtype, bias.device)
 
     @staticmethod
@@ -181,8 +182,7 @@ class ModelNew(nn.Module):
         refs = (StorageWeakRef(weight.untyped_storage()),)
         if bias is not None:
             refs += (StorageWeakRef(bias.untyped_storage()),)
-        stamped = (stamp[0],) if bias is None else (stamp[0], stamp[7])
-        return refs if tuple(ref.cdata for ref in refs) == stamped else None
+        return refs if tuple(ref.cdata for ref in refs) == stamp[:len(refs)] else None
 
     def _folded(
         self, weight: Tensor, bias: Optional[Tensor]

@@ -207,21 +207,25 @@ def _fold_backward_fake(grad_pooled_weight, grad_pooled_bias, out_features, pool
     )
 
 
-def _check_forward_shapes(x, weight, bias, op="forward", weight_name="weight"):
-    # op and weight_name: as check_forward_inputs' (the backward ops check the same inputs).
+def _check_x_and_weight(op, x, weight_name, weight, layout):
+    # csrc/checks.h's check_x_and_weight: ranks and K, the weight's rows named by `layout`.
     _check_defined(op, "x", x)
     _check_defined(op, weight_name, weight)
     _check(x.dim() == 2, f"{op}: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
     _check(
         weight.dim() == 2,
-        f"{op}: {weight_name} must be 2-D [pooled_features, in_features], got shape "
-        f"{list(weight.shape)}",
+        f"{op}: {weight_name} must be 2-D {layout}, got shape {list(weight.shape)}",
     )
     _check(
         weight.shape[1] == x.shape[1],
-        f"{op}: {weight_name} must be [pooled_features, in_features] with in_features = "
-        f"x.size(1) = {x.shape[1]}, got shape {list(weight.shape)}",
+        f"{op}: {weight_name} must be {layout} with in_features = x.size(1) = {x.shape[1]}, got "
+        f"shape {list(weight.shape)}",
     )
+
+
+def _check_forward_shapes(x, weight, bias, op="forward", weight_name="weight"):
+    # op and weight_name: as check_forward_inputs' (the backward ops check the same inputs).
+    _check_x_and_weight(op, x, weight_name, weight, "[pooled_features, in_features]")
     _check(
         weight.shape[0] >= 1,
         f"{op}: {weight_name} must have at least one row (pooled feature) to take the max over, "
@@ -315,20 +319,7 @@ def _prepare_weight_fake(weight):
 
 def _check_model_forward_inputs(x, weight):
     # csrc/checks.h's check_model_forward_inputs.
-    _check_defined("model_forward", "x", x)
-    _check_defined("model_forward", "weight", weight)
-    _check(x.dim() == 2,
-           f"model_forward: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
-    _check(
-        weight.dim() == 2,
-        f"model_forward: weight must be 2-D [out_features, in_features], got shape "
-        f"{list(weight.shape)}",
-    )
-    _check(
-        weight.shape[1] == x.shape[1],
-        f"model_forward: weight must be [out_features, in_features] with in_features = "
-        f"x.size(1) = {x.shape[1]}, got shape {list(weight.shape)}",
-    )
+    _check_x_and_weight("model_forward", x, "weight", weight, "[out_features, in_features]")
 
 
 @torch.library.register_fake("fused_pool_gelu::model_forward")
