@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import math
 import operator
@@ -19,11 +20,17 @@ __all__ = ["Model", "ModelNew"]
 
 
 def _checked_pool_kernel_size(pool_kernel_size) -> int:
-    # AvgPool1d takes a 1-tuple too, and any integer type with __index__ (NumPy's scalars); a float
-    # with an integral value is accepted as well.
+    # AvgPool1d takes any iterable of one element too (its _single: a 1-tuple, a list, a NumPy
+    # array of shape [1]), and any integer type with __index__ (NumPy's scalars); a float with an
+    # integral value is accepted as well.
     value = pool_kernel_size
-    if isinstance(value, (tuple, list)) and len(value) == 1:
-        (value,) = value
+    if isinstance(value, collections.abc.Iterable) and not isinstance(value, (str, bytes)):
+        try:
+            items = tuple(value)
+        except TypeError:  # a 0-d tensor: Iterable by type, not by value
+            items = None
+        if items is not None and len(items) == 1:
+            (value,) = items
     if not isinstance(value, bool):
         try:
             value = operator.index(value)

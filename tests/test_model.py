@@ -174,6 +174,27 @@ def test_a_one_tuple_pool_kernel_size_is_taken_as_avg_pool1d_takes_it(device):
     torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("one_element", ["numpy array", "list of numpy.int64", "range"])
+def test_a_one_element_iterable_pool_kernel_size_is_taken_as_avg_pool1d_takes_it(one_element):
+    np = pytest.importorskip("numpy")
+    make = {"numpy array": lambda: np.array([4]), "list of numpy.int64": lambda: [np.int64(4)],
+            "range": lambda: range(4, 5)}[one_element]
+    torch.manual_seed(3)
+    model = Model(24, 16, make(), 2.0)
+    new = ModelNew(24, 16, make(), 2.0)
+    new.load_state_dict(model.state_dict())
+    assert type(new.pool_kernel_size) is int and new.pool_kernel_size == 4
+    assert ModelNew.from_model(model).pool_kernel_size == 4
+    x = torch.rand(5, 24)
+    torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_an_iterable_pool_kernel_size_of_two_elements_is_rejected():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=r"pool_kernel_size must be a positive integer, got array"):
+        ModelNew(16, 8, np.array([2, 2]), 2.0)
+
+
 def test_from_model_rejects_what_model_accepts_but_cannot_run():
     # nn.AvgPool1d takes kernel_size 0 at construction and fails only in its first forward.
     with pytest.raises(ValueError, match="pool_kernel_size must be a positive integer, got 0"):
