@@ -17,7 +17,9 @@ time").
 `forward B`: fused_pool_gelu.forward on the benchmarks' data (the folded weights of
 Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B; -K, -N), on the
 path the op picks unless FUSED_POOL_GELU_CERTIFIED / FUSED_POOL_GELU_FORCE_MMA_SYNC say otherwise;
---prepared passes the weight's prepare_weight copy. `read MB`: floors.py's streaming read of an
+--prepared passes the weight's prepare_weight copy (float32 only); --dtype bfloat16 / float16 runs
+the model and x in that dtype (the half path: cuBLAS's GEMM, then the epilogue,
+`--kernel-name regex:argmax_epilogue`). `read MB`: floors.py's streaming read of an
 MB-sized float32 buffer (--programs-per-sm, default 4 as in floors.py's line).
 """
 
@@ -40,19 +42,24 @@ def main(argv=None):
     p.add_argument("-K", type=int, default=8192)
     p.add_argument("-N", type=int, default=512)
     p.add_argument("--prepared", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--programs-per-sm", type=int, default=4)
     args = p.parse_args(argv)
     if args.size < 1:
         p.error(f"size must be >= 1, got {args.size}")
+    if args.prepared and args.dtype != "float32":
+        p.error(f"--prepared is for float32 (the certified path), got --dtype {args.dtype}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU: torch.cuda.is_available() is False")
 
     device = torch.device("cuda")
     flush = l2_flush_buffer(device)
     if args.what == "forward":
-        weight, bias = (t.detach() for t in common.folded_weights(args.K, 16 * args.N, 16))
+        dtype = getattr(torch, args.dtype)
+        weight, bias = (t.detach().to(dtype)
+                        for t in common.folded_weights(args.K, 16 * args.N, 16))
         prepared_weight = fused_pool_gelu.prepare_weight(weight) if args.prepared else None
-        x = common.benchmark_x(args.size, args.K, device)
+        x = common.benchmark_x(args.size, args.K, device).to(dtype)
 
         def call():
             with torch.no_grad():
