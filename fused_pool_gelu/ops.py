@@ -113,7 +113,11 @@ def _check(cond, message):
 
 def _check_defined(op, name, t):
     # csrc/checks.h's check_defined: None for a required tensor (the kernels get an undefined one).
-    _check(t is not None, f"{op}: {name} must be a tensor, got None")
+    # A plain raise, not torch._check: the public wrappers call this too, and Dynamo (torch 2.11)
+    # cannot trace torch._check's message closure there (a graph break, an error under
+    # fullgraph=True). `t is None` is a constant while tracing, so this costs the graph nothing.
+    if t is None:
+        raise RuntimeError(f"fused_pool_gelu.{op}: {name} must be a tensor, got None")
 
 
 # c10's names for the dtypes, as csrc/checks.h's messages print them.
