@@ -82,7 +82,8 @@ def forward_with_argmax(
 
     Returns ``(out [B], argmax [B] int64, preactivation [B])`` with
     ``preactivation[b] = x[b] . weight[argmax[b]] + bias[argmax[b]]``. Ties go to the smallest
-    index; in a row holding NaN, the first NaN.
+    index; in a row holding NaN, the first NaN. Its shape, dtype and device errors are labelled
+    ``forward`` (the kernels are forward's).
     """
     return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
 

@@ -790,6 +790,11 @@ def _bad_input_cases():
             lambda d: ops.forward(t(32, device=d), t(3, 32, device=d), None, 2.0),
             r"forward: x must be 2-D \[batch, in_features\], got shape \[32\]",
         ),
+        # forward_with_argmax runs forward's kernels, and its docstring says they name forward.
+        "forward_with_argmax_x_rank_3": (
+            lambda d: ops.forward_with_argmax(t(2, 4, 32, device=d), t(3, 32, device=d), None, 2.0),
+            r"forward: x must be 2-D \[batch, in_features\], got shape \[2, 4, 32\]",
+        ),
         "forward_weight_rank": (
             lambda d: ops.forward(t(4, 32, device=d), t(32, device=d), None, 2.0),
             r"forward: weight must be 2-D \[pooled_features, in_features\]",
