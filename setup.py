@@ -6,8 +6,10 @@ Knobs (environment variables):
   CUDA_HOME              the CUDA toolkit (default: CUDA_PATH if set, else /usr/local/cuda when
                          it holds bin/nvcc). One that is set but holds no bin/nvcc is reported
                          and, in auto mode, gives a CPU-only build.
-  TORCH_CUDA_ARCH_LIST   architectures to compile for (default "8.0;9.0a": the portable sm_80
-                         kernels run on Ampere, Ada and Hopper; 9.0a adds the Hopper build).
+  TORCH_CUDA_ARCH_LIST   architectures to compile for (default "8.0;9.0a": sm_80 code runs on
+                         compute capability 8.x, Ampere and Ada; 9.0a is Hopper's, with the wgmma
+                         kernels). Other GPUs need their own entry, or "+PTX" on one (compiled
+                         just in time there, without the Hopper-only kernels).
   MAX_JOBS               parallel compile jobs (ninja).
   NVCC_THREADS           nvcc --threads per job (default 2).
   DEBUG=1                -O0 -g host code, -g -G device code (unoptimised, for debuggers).

@@ -627,7 +627,7 @@ DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
 template <typename scalar_t, int VEC>
 void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
                                   int key_bits, const Grouping& grouping, const at::Tensor& weight,
-                                  at::Tensor& grad_x, cudaStream_t stream, bool dependent) {
+                                  at::Tensor& grad_x, cudaStream_t stream) {
   const int64_t batch = grad_x.size(0);
   const int64_t in_features = grad_x.size(1);
   const int64_t warps_per_row =
@@ -637,7 +637,8 @@ void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Ten
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config = dependent_launch_config(
       grid_blocks(gather_threads + kGatherThreads, kGatherThreads, "gather threads"),
-      kGroupThreads, stream, attribute, dependent);
+      kGroupThreads, stream, attribute,
+      dependent_launch_enabled<group_rows_and_grad_x_kernel<scalar_t, VEC>>(grad_x.get_device()));
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &config, group_rows_and_grad_x_kernel<scalar_t, VEC>, dz_in,
       argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0), key_bits,
@@ -704,8 +705,8 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
 
   // Each kernel a programmatic dependent of the one before (the first one of whatever kernel
   // precedes the op): each waits for the previous grid before touching memory, and its launch
-  // overlaps that grid's tail instead of following it.
-  const bool dependent = device_has_dependent_launch(x.get_device());
+  // overlaps that grid's tail instead of following it (where dependent_launch_enabled).
+  const int device = x.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward_backward", [&] {
     const DzInputs<scalar_t> dz_in =
@@ -714,10 +715,10 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     constexpr int kVec = vector_width<scalar_t>();
     if (rows_are_vectorizable(weight, kVec) && rows_are_vectorizable(grad_x, kVec)) {
       launch_group_rows_and_grad_x<scalar_t, kVec>(dz_in, argmax, key_bits, grouping, weight,
-                                                   grad_x, stream, dependent);
+                                                   grad_x, stream);
     } else {
       launch_group_rows_and_grad_x<scalar_t, 1>(dz_in, argmax, key_bits, grouping, weight, grad_x,
-                                                stream, dependent);
+                                                stream);
     }
 
     // At least one chunk, so that in_features == 0 still writes grad_bias.
@@ -726,8 +727,8 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     cudaLaunchAttribute tiles_attribute{};
     const cudaLaunchConfig_t tiles_config =
         dependent_launch_config(grid_blocks(tiles * chunks, 1, "segment tiles x K chunks"),
-                                kSegmentThreads, stream,
-                                tiles_attribute, dependent);
+                                kSegmentThreads, stream, tiles_attribute,
+                                dependent_launch_enabled<segment_tiles_kernel<scalar_t>>(device));
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &tiles_config, segment_tiles_kernel<scalar_t>, x.const_data_ptr<scalar_t>(), x.stride(0),
         x.stride(1), static_cast<const int64_t*>(grouping.order),
@@ -740,7 +741,8 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
     const cudaLaunchConfig_t pieces_config =
         dependent_launch_config(grid_blocks((tiles + zero_groups) * chunks, 1,
                                             "segment pieces x K chunks"),
-                                kSegmentThreads, stream, pieces_attribute, dependent);
+                                kSegmentThreads, stream, pieces_attribute,
+                                dependent_launch_enabled<segment_pieces_kernel<scalar_t>>(device));
     C10_CUDA_CHECK(cudaLaunchKernelEx(
         &pieces_config, segment_pieces_kernel<scalar_t>,
         static_cast<const int64_t*>(grouping.sorted_segment), segment_starts,

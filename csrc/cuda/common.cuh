@@ -5,6 +5,7 @@
 #include <ATen/core/TensorBase.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -85,11 +86,11 @@ __device__ __forceinline__ float4 ldg_with_policy(const float4* p, uint64_t poli
 }
 
 // A launch of `blocks` x `threads` on `stream`, as a programmatic dependent of the kernel before it
-// when `dependent` (the device supports it: compute capability 9.0 or later). `attribute` must
+// when `dependent` (dependent_launch_enabled for the kernel launched). `attribute` must
 // outlive the launch call.
 inline cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, cudaStream_t stream,
                                                   cudaLaunchAttribute& attribute,
-                                                  bool dependent = true) {
+                                                  bool dependent) {
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
@@ -101,11 +102,31 @@ inline cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, c
   return config;
 }
 
-// Whether `device` runs programmatic dependent launches (compute capability 9.0 or later).
-inline bool device_has_dependent_launch(int device) {
+// Whether kKernel (a __global__ function that calls wait_for_previous_grid() before it touches
+// global memory) may be launched as a programmatic dependent on `device`, the current device. The
+// device must support it (compute capability 9.0 or later), and so must the code the runtime
+// loaded for the kernel there: wait_for_previous_grid() is an instruction only in code compiled
+// for sm_90 or later. A build that reaches a newer GPU only through older PTX
+// (TORCH_CUDA_ARCH_LIST="8.0+PTX" on an H100, compiled just in time) has it compiled to nothing, and
+// its dependents would read their inputs before the kernel before them had written them. Asked of
+// the runtime once per device, then an atomic load.
+template <auto kKernel>
+bool dependent_launch_enabled(int device) {
+  constexpr int kCachedDevices = 64;
+  // 0: not asked yet; 1: no; 2: yes. Two first calls racing both ask and store the same answer.
+  static std::atomic<int8_t> answer[kCachedDevices] = {};
+  const bool cached = 0 <= device && device < kCachedDevices;
+  if (cached) {
+    const int8_t known = answer[device].load(std::memory_order_relaxed);
+    if (known != 0) return known == 2;
+  }
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major >= 9;
+  cudaFuncAttributes attributes{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kKernel));
+  const bool enabled = major >= 9 && attributes.ptxVersion >= 90;
+  if (cached) answer[device].store(enabled ? 2 : 1, std::memory_order_relaxed);
+  return enabled;
 }
 
 // 16 bytes is the widest global load/store one thread can issue (LDG.E.128 / STG.E.128).

@@ -207,7 +207,7 @@ void launch_fold_backward(const at::Tensor& grad_pooled_weight, const at::Tensor
       grid_blocks(groups * vecs_per_row, kFoldBackwardThreads, "row groups x 16-byte vectors"),
       kFoldBackwardThreads,
       c10::cuda::getCurrentCUDAStream(), attribute,
-      device_has_dependent_launch(grad_weight.get_device()));
+      dependent_launch_enabled<fold_backward_kernel<scalar_t, VEC>>(grad_weight.get_device()));
   C10_CUDA_CHECK(cudaLaunchKernelEx(
       &config, fold_backward_kernel<scalar_t, VEC>, grad_pooled_weight.const_data_ptr<scalar_t>(),
       grad_pooled_weight.stride(0), grad_pooled_weight.stride(1),

@@ -633,7 +633,8 @@ struct DeviceInfo {
   // 0 when the 3xTF32 kernel does not fit (e.g. sm_86 / sm_89 give 99 KB of shared memory per
   // block): every batch size then takes the SIMT kernel.
   int tc_ctas_per_sm = 0;
-  // Programmatic dependent launch of the epilogue after the GEMM (compute capability 9.0+).
+  // Programmatic dependent launch of the epilogue after the GEMM (dependent_launch_enabled: asked
+  // of one epilogue instance, for the image this file's kernels share on the device).
   bool dependent_launch = false;
   // 0 unless the wgmma kernel can run here: a compute capability 9.0 device, a build holding
   // sm_90a code (FPG_WITH_SM90A) and that code being what the driver picked for this device.
@@ -739,7 +740,8 @@ const DeviceInfo& device_info(int device) {
     int major = 0, minor = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    info->dependent_launch = device_has_dependent_launch(device);
+    info->dependent_launch =
+        dependent_launch_enabled<argmax_epilogue_kernel<kEpilogueThreads, 1, float>>(device);
     if (FPG_WITH_SM90A && major == 9 && minor == 0 &&
         std::max(fg::kWgSmemBytes, fg::Pass1Tiles::kMaxSmemBytes) <= max_smem_optin) {
       cudaFuncAttributes attributes{};
@@ -1311,7 +1313,8 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
   cudaLaunchAttribute attribute{};
   if (fused) {
     cudaLaunchConfig_t config =
-        dependent_launch_config(batch, certified::kFusedThreads, stream, attribute);
+        dependent_launch_config(batch, certified::kFusedThreads, stream, attribute,
+                                info.dependent_launch);
     // Spread like the selection: as pass 1's dependent its CTAs would otherwise pile onto the
     // few SMs pass 1 leaves free (the 256-thread form at B = 128: 13.3 -> 12.9 us own).
     config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
@@ -1323,7 +1326,8 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
     return;
   }
   cudaLaunchConfig_t select_config =
-      dependent_launch_config(batch, certified::kSelectThreads, stream, attribute);
+      dependent_launch_config(batch, certified::kSelectThreads, stream, attribute,
+                              info.dependent_launch);
   select_config.dynamicSmemBytes = spread_smem_bytes(info, batch, certified::select_smem_bytes(n));
   const int columns_per_thread = certified::select_columns_per_thread(batch, n, info.sms);
   dispatch_split_bound<certified::kMaxSplits>(select.splits, [&](auto split_bound) {
@@ -1336,7 +1340,8 @@ void launch_selection_and_rescoring(const Operand& x, const Operand& w, const fl
   });
   cudaLaunchAttribute rescore_attribute{};
   const cudaLaunchConfig_t config =
-      dependent_launch_config(batch, certified::kThreads, stream, rescore_attribute);
+      dependent_launch_config(batch, certified::kThreads, stream, rescore_attribute,
+                              info.dependent_launch);
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel, rescore,
                                     outputs.out, outputs.argmax, outputs.preactivation));
 }
@@ -1427,7 +1432,7 @@ Selection certified_forward(const DeviceInfo& info, const Operand& x, const Oper
                                     copy_halves, static_cast<int>(block_n))};
   cudaLaunchAttribute pass1_attribute{};
   cudaLaunchConfig_t pass1_config =
-      dependent_launch_config(1, fg::kWgThreads, stream, pass1_attribute);
+      dependent_launch_config(1, fg::kWgThreads, stream, pass1_attribute, info.dependent_launch);
   pass1_config.gridDim = dim3(static_cast<unsigned>(ceil_div(n, block_n)),
                               static_cast<unsigned>(ceil_div(batch, block_m)),
                               static_cast<unsigned>(splits));
