@@ -126,6 +126,52 @@ def test_compiled_model_new_with_inductor_equals_eager_forward():
         torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+class _LinearTimesTwo(torch.nn.Linear):
+    """A Linear subclass with its own forward (as LoRA or quantized layers have)."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+def _hooked(linear):
+    linear.register_forward_hook(lambda module, args, out: out - 0.25)
+
+
+def _own_forward(linear):
+    linear.__class__ = _LinearTimesTwo
+
+
+def _tensor_scale(module):
+    module.scale_factor = torch.nn.Parameter(torch.tensor(1.5, device=module.matmul.weight.device))
+
+
+@pytest.mark.parametrize("tracer", ["compile", "jit.trace"])
+@pytest.mark.parametrize("modify", [_hooked, _own_forward, _tensor_scale],
+                         ids=["forward-hook", "own-forward", "tensor-scale"])
+def test_traced_model_new_runs_models_computation_where_the_fold_cannot(tracer, modify, device):
+    # ModelNew's traced branch (torch.compile, torch.jit.trace) makes its own choice between the
+    # fold and Model's computation: a hook or a subclass's forward on matmul, or a tensor
+    # scale_factor (whose gradient Model computes), must not be folded away there either.
+    torch.manual_seed(8)
+    reference = Model(24, 16, 4, 2.0).to(device)
+    model = ModelNew.from_model(reference)
+    modify(reference if modify is _tensor_scale else reference.matmul)
+    modify(model if modify is _tensor_scale else model.matmul)
+    x = torch.rand(6, 24, device=device)
+    if tracer == "compile":
+        traced = torch.compile(model, backend=FAST_BACKEND)
+    else:
+        traced = torch.jit.trace(model, x, check_trace=False)
+    out = traced(x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    out.sum().backward()
+    expected.sum().backward()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference.get_parameter(name).grad,
+                                   atol=1e-6, rtol=1e-6, msg=name)
+
+
 def test_compiled_with_dynamic_shapes_serves_several_batch_sizes(device, make_inputs):
     _, weight, bias = make_inputs(1, 40, 30, torch.float32, device)
     compiled = torch.compile(_fold_forward, backend=FAST_BACKEND, fullgraph=True, dynamic=True)
@@ -142,5 +188,7 @@ def test_compile_reports_bad_shapes_while_tracing(device):
     fn = torch.compile(
         lambda x, w: ops.forward(x, w, None, 2.0), backend=FAST_BACKEND, fullgraph=True
     )
-    with pytest.raises(Exception, match=r"in_features = x.size\(1\) = 8"):
+    # TorchRuntimeError: raised by the fake kernel while tracing. Without the fake kernel's check
+    # the trace would pass and the eager kernel raise the same message as a plain RuntimeError.
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match=r"in_features = x.size\(1\) = 8"):
         fn(torch.randn(4, 8, device=device), torch.randn(3, 7, device=device))

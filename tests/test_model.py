@@ -484,6 +484,37 @@ def test_cache_refolds_after_data_assignment_of_a_view_of_the_same_storage(fold_
     torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
 
 
+def test_cache_refolds_after_data_assignment_of_another_offset_of_the_same_storage(fold_calls):
+    # Same storage, shape, strides and version counter, another offset into the storage: the
+    # data pointer tells them apart.
+    new, x = _new_and_input("cpu")
+    weight = new.matmul.weight
+    flat = torch.randn(2 * weight.numel())
+    with torch.no_grad():
+        weight.data = flat[: weight.numel()].view(weight.shape)
+        new(x)
+        weight.data = flat[weight.numel():].view(weight.shape)
+        out = new(x)
+    assert len(fold_calls) == 2
+    torch.testing.assert_close(out, _expected(new, x), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_refolds_after_data_assignment_of_fewer_rows_of_the_same_storage(fold_calls):
+    # Same storage, data pointer, strides and version counter, fewer rows (the bias sliced to
+    # match): the shape tells them apart.
+    new, x = _new_and_input("cpu", args=(40, 48, 4, 2.0))
+    weight, bias = new.matmul.weight, new.matmul.bias
+    with torch.no_grad():
+        new(x)
+        weight.data = weight.data[:12]
+        bias.data = bias.data[:12]
+        out = new(x)
+    assert len(fold_calls) == 2
+    assert out.shape == (x.shape[0],)
+    fresh = ops.forward(x, *ops.fold(weight, bias, 4), new.scale_factor)
+    assert torch.equal(out, fresh)
+
+
 def test_invalidate_fold_forces_a_refold_after_a_data_edit(fold_calls, device):
     new, x = _new_and_input(device)
     with torch.no_grad():
@@ -522,10 +553,10 @@ class _Doubled(torch.nn.Module):
 
 
 @pytest.mark.parametrize("names", [("weight",), ("bias",), ("weight", "bias")], ids="+".join)
-def test_parametrized_parameters_are_the_ones_used(names, device):
+def test_parametrized_parameters_are_the_ones_used(names, device, fold_calls):
     # torch.nn.utils.parametrize replaces a registered parameter by a property computed at each
     # access: ModelNew must read it (not the parameter dict, where it no longer is), with grad and
-    # without, as Model does.
+    # without, as Model does, and keep the fused path (fold_calls: not Model's computation).
     from torch.nn.utils import parametrize
 
     model, new = _pair((64, 48, 4, 2.0), device)
@@ -541,6 +572,9 @@ def test_parametrized_parameters_are_the_ones_used(names, device):
     out.sum().backward()
     original = new.matmul.parametrizations[names[0]].original
     assert original.grad is not None and bool(original.grad.any())
+    # Both calls fused: the no-grad one through ops.fold (a parametrized weight is a new tensor
+    # at each access, never a cache hit), the training one through ops.model_forward.
+    assert len(fold_calls) == 2
 
 
 class _LinearTimesTwo(torch.nn.Linear):

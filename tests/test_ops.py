@@ -214,9 +214,19 @@ def test_cpu_forward_over_several_row_blocks(batch, pooled, dtype, make_inputs, 
     # The CPU forward multiplies blocks of max(256, 16 MB / (N x element size)) rows: 256 rows
     # (float32 and float64) at N = 16384, 1024 / 512 at N = 4096; both batches end in a partial
     # block.
+    # Its memory bound (docs/input_classes.md): no allocation larger than a block's product,
+    # where the whole [batch, N] product would be 2.3-4.9 times larger.
+    from torch.profiler import ProfilerActivity, profile
+
     x, weight, bias = make_inputs(batch, 8, pooled, dtype, "cpu")
-    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    product_bytes = 8 if dtype == torch.float64 else 4  # half types multiply in float32
+    block_bound = max(16 << 20, 256 * pooled * product_bytes)
+    assert block_bound < batch * pooled * product_bytes
+    allocations = [event.cpu_memory_usage for event in prof.events() if event.cpu_memory_usage > 0]
+    assert allocations and max(allocations) <= block_bound
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -518,13 +518,16 @@ def test_example_with_amp_trains_model_new_in_bfloat16_like_model(tmp_path):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     args = ["--device", "cpu", "--steps", "6", "--log-every", "3", "--batch", "16",
-            "--in-features", "64", "--out-features", "100", "--pool", "8", "--compare", "--amp"]
+            "--in-features", "64", "--out-features", "100", "--pool", "8", "--compare", "--amp",
+            # The default (0.1) covers the worst of 200 steps; these 6 differ by ~5e-3, and a 3%
+            # error in ModelNew's output moves them to ~4e-2.
+            "--tol", "0.02"]
     result = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "--amp: output dtype ModelNew torch.bfloat16, Model torch.bfloat16" in result.stdout
-    match = re.search(r"max relative loss difference ModelNew vs Model: (\S+) \(within --tol 0.1\)",
+    match = re.search(r"max relative loss difference ModelNew vs Model: (\S+) \(within --tol 0.02\)",
                       result.stdout)
     assert match, result.stdout
