@@ -29,6 +29,14 @@ struct Source {
   int64_t version;
 };
 
+// An inference tensor has no version counter (torch.inference_mode): its prepared weight is held
+// to the weight's identity only, and its in-place edits (possible only under inference_mode) go
+// unseen, as writes through `.data` do.
+constexpr int64_t kNoVersion = -1;
+int64_t version_of(const at::Tensor& weight) {
+  return weight.is_inference() ? kNoVersion : weight._version();
+}
+
 std::mutex table_mutex;
 std::unordered_map<const c10::StorageImpl*, Source>& table() {
   static auto* sources = new std::unordered_map<const c10::StorageImpl*, Source>();
@@ -43,7 +51,7 @@ void record_prepared_weight(const at::Tensor& prepared, const at::Tensor& weight
                 weight.storage_offset(),
                 weight.sizes().vec(),
                 weight.strides().vec(),
-                weight._version()};
+                version_of(weight)};
   std::lock_guard<std::mutex> lock(table_mutex);
   auto& sources = table();
   // Entries of freed prepared weights go when the next one is recorded: the table stays as large
@@ -83,9 +91,11 @@ void check_prepared_weight(const char* op, const at::Tensor& prepared, const at:
               "fused_pool_gelu.", op,
               ": prepared_weight was made from another weight tensor (another storage, offset, "
               "shape or strides): call prepare_weight(weight) with this weight");
-  TORCH_CHECK(source.version == weight._version(), "fused_pool_gelu.", op,
+  if (source.version == kNoVersion) return;
+  const int64_t version = version_of(weight);
+  TORCH_CHECK(source.version == version, "fused_pool_gelu.", op,
               ": prepared_weight is stale: weight was modified in place after prepare_weight "
-              "(version counter ", source.version, " then, ", weight._version(),
+              "(version counter ", source.version, " then, ", version,
               " now): call prepare_weight(weight) again");
 }
 

@@ -25,7 +25,8 @@
 // of the same storage with the same offset, sizes and strides, and that the storage's version
 // counter has not moved since (an in-place change, an optimizer step, load_state_dict), and raises
 // otherwise. What it cannot see: writes that bypass the version counter (through `.data`, or
-// another tensor over the same memory), and where a copy of a prepared weight came from (a
+// another tensor over the same memory; any in-place edit of an inference tensor, which has no
+// version counter), and where a copy of a prepared weight came from (a
 // clone, a loaded one, the input copies of torch.compile's CUDA graphs and of opcheck): those are
 // trusted to match `weight`. Make a new prepared weight after any such write.
 #pragma once

@@ -44,8 +44,9 @@ def prepare_weight(weight: Tensor) -> Tensor:
     the 3xTF32 GEMM, both float32-accurate but rounded in different orders (the last bits of
     ``out`` can differ). It is tied to ``weight``: once ``weight`` changes in place (an
     optimizer step, ``copy_``, ``load_state_dict``), or with another weight tensor, forward raises.
-    Not seen: writes through ``.data``, and the origin of a copy of a prepared weight (``clone()``,
-    a loaded one), which is trusted to match. The layout belongs to this version of the package (it
+    Not seen: writes through ``.data``, in-place edits of an inference tensor (made under
+    ``torch.inference_mode``, which keeps no version counter), and the origin of a copy of a
+    prepared weight (``clone()``, a loaded one), which is trusted to match. The layout belongs to this version of the package (it
     changed in 0.1.0's development): make a new one rather than load one saved by another version.
     Not differentiable.
     """

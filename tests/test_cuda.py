@@ -503,6 +503,17 @@ def test_both_tensor_core_gemms_agree_to_float32_accuracy(monkeypatch):
     _assert_contract(out, model, x)
 
 
+@pytest.mark.parametrize("in_features", [2**31 - 515, 2**31 - 513])
+def test_in_features_past_the_limit_is_refused_naming_the_limit(in_features):
+    # The limit is on K itself (2^31 - 516, a multiple of 4): K up to 3 past it once passed as
+    # its padded width and was refused with a limit it was below. Stride-0 views: no 8 GB rows.
+    x = torch.ones(1, 1, device=DEVICE).expand(2, in_features)
+    weight = torch.ones(1, 1, device=DEVICE).expand(3, in_features)
+    with pytest.raises(RuntimeError, match=rf"forward: in_features must be at most "
+                                           rf"{2**31 - 516}, got {in_features}"):
+        ops.forward(x, weight, None, 2.0)
+
+
 @pytest.mark.slow
 def test_more_than_2_to_the_31_elements_in_x(ref):
     in_features, pooled, scale = 4096, 32, 2.0

@@ -184,6 +184,29 @@ def test_stale_or_foreign_prepared_weights_are_refused(device):
     fused_pool_gelu.forward(x, weight, None, 1.0, fused_pool_gelu.prepare_weight(weight))
 
 
+@pytest.mark.parametrize("where", ["inside", "made inside, used outside"])
+def test_an_inference_tensor_weight_is_prepared_and_checked_for_its_identity(where, device):
+    # Inference tensors keep no version counter: prepare_weight and forward must not ask for it
+    # (they raised "Inference tensors do not track version counter"), and still refuse a prepared
+    # weight made from another tensor.
+    x = torch.randn(5, 16, device=device)
+    with torch.inference_mode():
+        weight = torch.randn(4, 16, device=device)
+        bias = torch.randn(4, device=device)
+        if where == "inside":
+            prepared = fused_pool_gelu.prepare_weight(weight)
+            out = fused_pool_gelu.forward(x, weight, bias, 2.0, prepared)
+            other = weight.clone()
+    if where != "inside":
+        prepared = fused_pool_gelu.prepare_weight(weight)
+        out = fused_pool_gelu.forward(x, weight, bias, 2.0, prepared)
+        with torch.inference_mode():
+            other = weight.clone()
+    torch.testing.assert_close(out, fused_pool_gelu.forward(x, weight, bias, 2.0), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="made from another weight tensor"):
+        fused_pool_gelu.forward(x, other, bias, 2.0, prepared)
+
+
 @pytest.mark.cuda
 def test_prepared_weight_on_another_device_is_refused():
     weight = torch.randn(4, 16)

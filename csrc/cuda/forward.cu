@@ -296,7 +296,8 @@ constexpr int kMaxSpreadCtasPerSm = 4;
 // would grow with B, and at k = 1 (N = O) be at least a [B, O] tensor, the Linear output the fused
 // op exists to avoid. 16 MB keeps a slice at >= 4M outputs (>= 256 tensor-core tiles of 128 x 128,
 // ~2 waves on 132 SMs), so slicing costs the GEMM little; the default shape needs 8 MB up to
-// B = 4096 and is never sliced.
+// B = 4096 and is never sliced. A slice holds at least one row: past 4M pooled features (N alone
+// over the bound) the workspace is one row's N floats, and each row of x is a slice of its own.
 constexpr int64_t kMaxWorkspaceFloats = (int64_t{16} << 20) / static_cast<int64_t>(sizeof(float));
 static_assert(std::max(certified::kMaxSplits, certified::kFusedMaxSplits) * kMaxWorkspaceFloats <=
                   std::numeric_limits<int>::max(),
@@ -324,9 +325,11 @@ constexpr int64_t kHalfGemmTile = 128;
 // cuBLAS's fast kernels want 16-byte aligned operands: each slice starts 8 half elements apart.
 constexpr int64_t kHalfGemmSliceAlign = 8;
 
-// Largest supported K (padded to a multiple of 4): offsets inside a row, plus two chunks of
-// look-ahead, must fit an int in the GEMV kernel.
-constexpr int64_t kMaxInFeatures = std::numeric_limits<int>::max() - 2 * fg::kSimtChunkK;
+// Largest supported K: padded to a multiple of 4, offsets inside a row plus two chunks of
+// look-ahead must fit an int in the GEMV kernel. A multiple of 4 itself (2^31 - 516), so that K
+// passes this bound exactly when its padded width does.
+constexpr int64_t kMaxInFeatures = (std::numeric_limits<int>::max() - 2 * fg::kSimtChunkK) / 4 * 4;
+static_assert(kMaxInFeatures == (int64_t{1} << 31) - 516, "the limit docs/input_classes.md states");
 
 // gridDim.y's and gridDim.z's limit (gridDim.x's: common.cuh).
 constexpr int64_t kMaxGridYZ = 65535;
@@ -1552,10 +1555,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   TORCH_INTERNAL_ASSERT(!bias_contiguous.defined() ||
                         bias_contiguous.scalar_type() == x.scalar_type());
 
-  const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
   // The GEMV kernel indexes inside a row with ints (fewer registers in its hot loop).
-  TORCH_CHECK(k_padded <= kMaxInFeatures, "fused_pool_gelu.forward: in_features must be at most ",
+  TORCH_CHECK(k <= kMaxInFeatures, "fused_pool_gelu.forward: in_features must be at most ",
               kMaxInFeatures, ", got ", k);
+  const int64_t k_padded = ceil_div(k, int64_t{4}) * 4;
   // K == 0 needs no GEMM and no workspace (z = bias): one slice.
   const bool half_gemm = k > 0 && is_reduced_float(x);  // x and weight have one dtype (checked)
   const Operand x_op = k > 0 && !half_gemm ? as_kernel_operand(x, k_padded) : Operand{};
