@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import ops
-from .model import Model, ModelNew, pool_kernel_size_of
+from .model import Model, ModelNew, _checked_pool_kernel_size, _is_plain_linear, pool_kernel_size_of
 
 __all__ = ["TensorParallelPoolGelu", "split_groups"]
 
@@ -65,6 +65,18 @@ def split_groups(num_groups: int, world_size: int) -> List[range]:
     base, extra = divmod(num_groups, world_size)
     starts = [rank * base + min(rank, extra) for rank in range(world_size + 1)]
     return [range(starts[rank], starts[rank + 1]) for rank in range(world_size)]
+
+
+def _check_plain_matmul(what: str, linear: nn.Module) -> None:
+    # ModelNew runs Model's computation where its matmul does more than x @ weight.T + bias (module
+    # hooks, global module hooks, a subclass's forward: model._is_plain_linear); the shards cannot,
+    # and would silently skip it.
+    if not _is_plain_linear(linear):
+        raise RuntimeError(
+            f"{what} must compute only x @ weight.T + bias, as nn.Linear does: no module hooks "
+            f"on it or global ones, no subclass forward (got {type(linear).__name__}); the shards "
+            "cannot run what ModelNew hands to Model's computation"
+        )
 
 
 class _ShardedFusedMax(torch.autograd.Function):
@@ -139,7 +151,10 @@ class TensorParallelPoolGelu(nn.Module):
     ``state_dict()`` holds this rank's shard under the full model's keys. ``group_range`` is the
     range of pooled features this rank holds, ``row_range`` its rows of the full weight (the last
     rank's include the O % k tail). Collectives run on the tensors' device: CUDA tensors with NCCL,
-    CPU tensors with gloo. The fold runs in every call (no cache, unlike ModelNew).
+    CPU tensors with gloo. The fold runs in every call (no cache, unlike ModelNew). Where ModelNew
+    would run Model's computation instead of the fold (hooks on ``matmul``, global module hooks, a
+    Linear subclass's own forward, a tensor ``scale_factor``), this module raises: the shards
+    cannot run it.
     """
 
     def __init__(
@@ -173,12 +188,22 @@ class TensorParallelPoolGelu(nn.Module):
                 f"TensorParallelPoolGelu: state_dict['matmul.bias'] must be 1-D [out_features] = "
                 f"[{out_features}], got shape {list(bias.shape)}"
             )
-        if int(pool_kernel_size) != pool_kernel_size or not 1 <= pool_kernel_size <= out_features:
+        try:
+            checked_pool_kernel_size = _checked_pool_kernel_size(pool_kernel_size)
+        except ValueError:
+            checked_pool_kernel_size = None
+        if checked_pool_kernel_size is None or checked_pool_kernel_size > out_features:
             raise ValueError(
                 "TensorParallelPoolGelu: pool_kernel_size must be an integer in [1, out_features = "
                 f"{out_features}], got {pool_kernel_size!r}"
             )
-        pool_kernel_size = int(pool_kernel_size)
+        pool_kernel_size = checked_pool_kernel_size
+        if isinstance(scale_factor, Tensor):
+            # ModelNew runs Model's computation for a tensor scale_factor (which may want its
+            # gradient); the shards cannot.
+            raise TypeError(
+                "TensorParallelPoolGelu: scale_factor must be a Python number, got a Tensor"
+            )
         num_groups = out_features // pool_kernel_size
         world_size = dist.get_world_size(group)
         rank = dist.get_rank(group)
@@ -240,7 +265,13 @@ class TensorParallelPoolGelu(nn.Module):
                 "TensorParallelPoolGelu.from_module: model must be a fused_pool_gelu.ModelNew or "
                 f"Model, got {type(model).__name__}"
             )
-        return cls(model.state_dict(), pool_kernel_size_of(model), model.scale_factor, group)
+        _check_plain_matmul("TensorParallelPoolGelu.from_module: model.matmul", model.matmul)
+        sharded = cls(model.state_dict(), pool_kernel_size_of(model), model.scale_factor, group)
+        # state_dict() detaches: frozen parameters stay frozen, as in ModelNew.from_model.
+        sharded.matmul.weight.requires_grad_(model.matmul.weight.requires_grad)
+        if model.matmul.bias is not None:
+            sharded.matmul.bias.requires_grad_(model.matmul.bias.requires_grad)
+        return sharded
 
     def extra_repr(self) -> str:
         return (
@@ -251,6 +282,13 @@ class TensorParallelPoolGelu(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_plain_matmul("TensorParallelPoolGelu: matmul", self.matmul)
+        if isinstance(x, Tensor) and x.dim() == 2 and x.shape[1] != self.in_features:
+            # The op's own message would name this rank's pooled shard, which the caller never made.
+            raise RuntimeError(
+                f"fused_pool_gelu.TensorParallelPoolGelu: x must be [batch, in_features] = [batch, "
+                f"{self.in_features}], got shape {list(x.shape)}"
+            )
         pooled_weight, pooled_bias = ops.fold(
             self.matmul.weight, self.matmul.bias, self.pool_kernel_size
         )

@@ -298,6 +298,59 @@ def errors_name_the_argument(device, dtype):
         TensorParallelPoolGelu.from_module(too_few.matmul)
 
 
+class _LinearTimesTwo(torch.nn.Linear):
+    """A Linear subclass with its own forward (as LoRA or quantized layers have)."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+@scenario
+def what_the_shards_cannot_run_is_refused(device, dtype):
+    # ModelNew runs Model's computation for these; sharded, they were silently skipped (a hook's
+    # or a subclass's change of the output, a tensor scale_factor's gradient).
+    plain = r"matmul must compute only x @ weight.T \+ bias"
+    hooked, _ = _models(dtype, device)
+    hooked.matmul.register_forward_hook(lambda module, args, out: out - 0.25)
+    with pytest.raises(RuntimeError, match="from_module: model.matmul must compute only"):
+        TensorParallelPoolGelu.from_module(hooked)
+    subclassed, _ = _models(dtype, device)
+    subclassed.matmul.__class__ = _LinearTimesTwo
+    with pytest.raises(RuntimeError, match=plain):
+        TensorParallelPoolGelu.from_module(subclassed)
+    scaled, _ = _models(dtype, device)
+    scaled.scale_factor = torch.nn.Parameter(torch.tensor(1.5, device=device, dtype=dtype))
+    with pytest.raises(TypeError, match="scale_factor must be a Python number, got a Tensor"):
+        TensorParallelPoolGelu.from_module(scaled)
+    tp = TensorParallelPoolGelu.from_module(_models(dtype, device)[0])
+    x, _ = _inputs(dtype, device)
+    handle = tp.matmul.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(RuntimeError, match="TensorParallelPoolGelu: matmul must compute only"):
+        tp(x)
+    handle.remove()
+    tp(x)  # every rank, in step
+
+
+@scenario
+def constructor_arguments_as_model_new_takes_them(device, dtype):
+    full, _ = _models(dtype, device)
+    # AvgPool1d's and ModelNew's 1-tuple pool size; a NaN named as the argument it is.
+    from_tuple = TensorParallelPoolGelu.from_state_dict(full.state_dict(), (POOL,), SCALE)
+    assert from_tuple.pool_kernel_size == POOL
+    with pytest.raises(ValueError, match=r"pool_kernel_size must be an integer in \[1, out_feat"):
+        TensorParallelPoolGelu.from_state_dict(full.state_dict(), float("nan"), SCALE)
+    # Frozen parameters stay frozen, as in ModelNew.from_model.
+    full.matmul.bias.requires_grad_(False)
+    tp = TensorParallelPoolGelu.from_module(full)
+    assert tp.matmul.weight.requires_grad and not tp.matmul.bias.requires_grad
+    # A wrong-width x is named as x, not as this rank's pooled shard.
+    wide = torch.rand(3, IN_FEATURES + 1, device=device, dtype=dtype)
+    with pytest.raises(RuntimeError, match=rf"TensorParallelPoolGelu: x must be \[batch, "
+                                           rf"in_features\] = \[batch, {IN_FEATURES}\], "
+                                           rf"got shape \[3, {IN_FEATURES + 1}\]"):
+        tp(wide)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launching: torch.multiprocessing.spawn, one process per rank.
 
