@@ -248,6 +248,13 @@ class ModelNew(nn.Module):
         self._fold_cache = None
         return super()._apply(fn, *args, **kwargs)
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        # The cache's weak references to the parameters would make torch.utils.swap_tensors refuse
+        # them (load_state_dict under torch.__future__.set_swap_module_params_on_conversion). The
+        # children's parameters load after this: drop the cache first.
+        self._fold_cache = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
     @staticmethod
     def _capturing() -> bool:
         # A captured fold runs at each replay, so the graph follows parameter updates; a cache

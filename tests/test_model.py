@@ -515,6 +515,24 @@ def test_cache_refolds_after_data_assignment_of_fewer_rows_of_the_same_storage(f
     assert torch.equal(out, fresh)
 
 
+def test_load_state_dict_swapping_parameters_after_a_cached_call(device):
+    # Under torch.__future__.set_swap_module_params_on_conversion(True) load_state_dict swaps
+    # parameters (torch.utils.swap_tensors), which refuses tensors with weak references, as the
+    # fold cache holds: Model loads, and so must ModelNew after a cached no-grad call.
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        new, x = _new_and_input(device)
+        torch.manual_seed(12)
+        other = ModelNew(48, 40, 4, 2.0).to(device)
+        with torch.no_grad():
+            new(x)
+            new.load_state_dict(other.state_dict())
+            assert torch.equal(new(x), other(x))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
 def test_invalidate_fold_forces_a_refold_after_a_data_edit(fold_calls, device):
     new, x = _new_and_input(device)
     with torch.no_grad():
