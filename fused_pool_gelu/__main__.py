@@ -247,7 +247,6 @@ def _timings(model, new, x, device, rep_ms, train):
 def main(argv=None) -> int:
     args = _parse(argv)
     import fused_pool_gelu
-    from fused_pool_gelu import Model, ModelNew
 
     info = fused_pool_gelu.build_info()
     print(f"fused_pool_gelu {info['version']}")
@@ -265,6 +264,21 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
+    if device.type == "cpu":
+        return _check_and_time(args, device)
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        print(f"error: --device {args.device}, but this machine has {count} CUDA device"
+              f"{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})", file=sys.stderr)
+        return 2
+    # The timer's events, synchronize(), do_bench and its L2 flush buffer use the current device.
+    with torch.cuda.device(device):
+        return _check_and_time(args, device)
+
+
+def _check_and_time(args, device) -> int:
+    from fused_pool_gelu import Model, ModelNew
+
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:

@@ -45,3 +45,27 @@ def test_bad_arguments_are_usage_errors_naming_the_argument(argv, message, capsy
 def test_a_pool_wider_than_the_output_is_refused(capsys):
     assert main(["--device", "cpu", "-B", "2", "-K", "8", "-O", "8", "-k", "16"]) == 2
     assert "--pool (16) must be <= --out-features (8)" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_a_cuda_index_past_the_devices_is_refused(capsys):
+    import torch
+
+    count = torch.cuda.device_count()
+    argv = ["--device", f"cuda:{count}", "-B", "2", "-K", "8", "-O", "8", "-k", "4"]
+    assert main(argv) == 2
+    assert f"error: --device cuda:{count}, but this machine has {count} CUDA device" in (
+        capsys.readouterr().err)
+
+
+@pytest.mark.cuda
+def test_the_check_runs_on_the_device_asked_for_and_leaves_the_current_one(capsys):
+    import torch
+
+    index = torch.cuda.device_count() - 1  # cuda:1 on a machine of two GPUs; cuda:0 on one
+    before = torch.cuda.current_device()
+    small = ["--device", f"cuda:{index}", "-B", "3", "-K", "24", "-O", "16", "-k", "4",
+             "--rep", "5"]
+    assert main(small) == 0
+    assert "check passed" in capsys.readouterr().out
+    assert torch.cuda.current_device() == before
