@@ -172,7 +172,10 @@ struct SelectParams {
   const Norms* w_norms;   // the prepared weight's: column n's at w_norms[n * w_norms_stride]
   int64_t w_norms_stride;
   const float* bias;      // [n] or nullptr
-  float scale;            // finite and non-zero (the host checks)
+  // Finite and non-zero as the op's double (the host checks); rounded to float it may be +-inf
+  // (|scale| > FLT_MAX: every interval end is then non-finite, every row rescored whole) or +-0
+  // (below float's subnormals: every column a candidate). Either way the rescoring's answer.
+  float scale;
   int64_t batch;
   int64_t n;
   Bound bound;
