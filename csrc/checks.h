@@ -45,11 +45,16 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
               t.device());
 }
 
+// t's dtype must be ref's. Where they differ and ref's is not a floating type, ref is the one to
+// change (an integer x beside a float32 weight): named as such. Where they agree, the op's own
+// dtype check (the device's list) names ref.
 inline void check_same_dtype(const char* op, const char* name, const at::Tensor& t,
                              const char* ref_name, const at::Tensor& ref) {
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "fused_pool_gelu.", op, ": ", name,
-              " must have the same dtype as ", ref_name, " (", ref.scalar_type(), "), got ",
-              t.scalar_type());
+  if (t.scalar_type() == ref.scalar_type()) return;
+  TORCH_CHECK(ref.is_floating_point(), "fused_pool_gelu.", op, ": ", ref_name,
+              " must be a floating-point tensor, got ", ref.scalar_type());
+  TORCH_CHECK(false, "fused_pool_gelu.", op, ": ", name, " must have the same dtype as ", ref_name,
+              " (", ref.scalar_type(), "), got ", t.scalar_type());
 }
 
 // The floating dtypes an implementation supports, e.g. {kFloat, kDouble} on the CPU.

@@ -142,6 +142,11 @@ def _check_same_device(op, name, t, ref_name, ref):
 
 
 def _check_same_dtype(op, name, t, ref_name, ref):
+    # As csrc/checks.h's: where the dtypes differ, a non-floating ref is the one named.
+    _check(
+        t.dtype == ref.dtype or ref.dtype.is_floating_point,
+        f"{op}: {ref_name} must be a floating-point tensor, got {_dtype_name(ref.dtype)}",
+    )
     _check(
         t.dtype == ref.dtype,
         f"{op}: {name} must have the same dtype as {ref_name} ({_dtype_name(ref.dtype)}), got "

@@ -791,6 +791,13 @@ def _bad_input_cases():
             ),
             r"fold_backward: grad_pooled_weight must be float32.* on (cpu|cuda), got Int",
         ),
+        # The integer tensor is the one named, not the float one beside it.
+        "fold_backward_int_grad_beside_a_float_bias": (
+            lambda d: _OPS.fold_backward(
+                torch.ones(4, 5, dtype=torch.int32, device=d), t(4, device=d), 8, 2
+            ),
+            r"fold_backward: grad_pooled_weight must be a floating-point tensor, got Int",
+        ),
         # forward
         "forward_x_rank_3": (
             lambda d: ops.forward(t(2, 4, 32, device=d), t(3, 32, device=d), None, 2.0),
@@ -842,6 +849,12 @@ def _bad_input_cases():
                 2.0,
             ),
             r"forward: x must be float32.* on (cpu|cuda), got Long",
+        ),
+        "forward_int_x_beside_a_float_weight": (
+            lambda d: ops.forward(
+                torch.ones(4, 32, dtype=torch.int64, device=d), t(3, 32, device=d), None, 2.0
+            ),
+            r"forward: x must be a floating-point tensor, got Long",
         ),
         "forward_with_argmax_x_rank": (
             lambda d: ops.forward_with_argmax(t(4, device=d), t(3, 4, device=d), None, 2.0),

@@ -183,7 +183,7 @@ MODULE_ERRORS = {
                       r"ModelNew: x must be \[batch, in_features\] = \[batch, 16\] "
                       r"\(matmul.in_features\), got shape \[3, 15\]"),
     "x_float64": ((16, 12, 4), (3, 16), torch.float64, r"same dtype as x \(Double\), got Float"),
-    "x_int64": ((16, 12, 4), (3, 16), torch.int64, r"same dtype as x \(Long\), got Float"),
+    "x_int64": ((16, 12, 4), (3, 16), torch.int64, r"x must be a floating-point tensor, got Long"),
     "k_above_out_features": (
         (16, 3, 4), (2, 16), torch.float32, r"fold: pool_kernel_size must be <= out_features \(3\)"
     ),
