@@ -105,6 +105,21 @@ def test_special_rows(device):
     )
 
 
+def test_norms_bound_values_that_underflow_once_scaled(device):
+    # The row's scale is 2^-63 (its largest value 2^77): 2^-149 * 2^-63 underflows to 0 in
+    # float32, so the copy drops it, and the residual norm must still bound what was dropped (the
+    # CPU's had no floor for it: 0).
+    weight = torch.tensor([[2.0**77, 2.0**-149, 0.0, 0.0], [1.0, 2.0**-149, -3.0, 0.5]],
+                          device=device)
+    copy, norm, residual_norm, inverse_scale, _, _ = _unpack(
+        fused_pool_gelu.prepare_weight(weight), 2, 4)
+    w64 = weight.double().cpu()
+    for row in range(2):
+        residual = w64[row] - copy[row].double() * float(inverse_scale[row])
+        assert float(norm[row]) >= float(w64[row].norm()), row
+        assert float(residual_norm[row]) >= float(residual.norm()) > 0, row
+
+
 def test_empty_shapes(device):
     assert fused_pool_gelu.prepare_weight(torch.randn(0, 10, device=device)).shape == (0,)
     prepared = fused_pool_gelu.prepare_weight(torch.randn(3, 0, device=device))

@@ -154,7 +154,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
 }
 
 // The prepared weight's layout (prepared_weight.h), made as the CUDA kernel makes it: the same
-// scales and fp16 copy; the norms summed in double and rounded up (upper bounds either way).
+// scales and fp16 copy; the norms summed in double, with the CUDA kernel's floor, and rounded up
+// (upper bounds either way: a CPU-made one may be moved to the GPU and serve the certified path).
 at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
   check_prepare_weight_inputs(weight);
   const at::Tensor w = weight.to(at::kFloat).contiguous();
@@ -186,9 +187,16 @@ at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
         squares += static_cast<double>(scaled) * scaled;
         residual_squares += static_cast<double>(residual) * residual;
       }
-      // sqrt(sum) 2^-e, and enough above it to cover the double sum's own rounding.
+      // sqrt(sum + K 2^-148) 2^-e, rounded up to float: the CUDA kernel's floor for what float
+      // loses below its normal range (here in v[i] * scale itself, at most 2^-149 per value:
+      // forward_certified.cuh's top), and a slack above the double sum's K roundings and the four
+      // after it (gamma_{K+4}(2^-53), doubled). Without the floor a value that underflowed once
+      // scaled (2^-149 in a row whose largest is 2^77) left a residual norm of 0.
+      const double squares_floor = static_cast<double>(k) * 0x1p-148;
+      const double slack = 1.0 + (static_cast<double>(k) + 4.0) * 0x1p-52;
       auto norm = [&](double sum) {
-        const double bound = std::sqrt(sum) * (1.0 + 0x1p-40) * std::ldexp(1.0, -exponent);
+        const double bound =
+            std::sqrt(sum + squares_floor) * slack * std::ldexp(1.0, -exponent);
         const float f = static_cast<float>(bound);
         return static_cast<double>(f) >= bound ? f : std::nextafter(f, INFINITY);
       };
