@@ -105,12 +105,12 @@ class ModelNew(nn.Module):
     its ``ops.prepare_weight`` copy) is cached and refolded only after ``matmul.weight`` or
     ``matmul.bias`` change (optimizer step, in-place edit, ``load_state_dict``, ``.to()``, a new
     tensor assigned to ``.data``), detected through the parameters' identity, storage, data pointer,
-    shape, strides and version counter (no host sync per call), or ``pool_kernel_size`` does. In-place edits
-    through ``.data`` bypass the version counter; call :meth:`invalidate_fold` after such an
-    edit. When gradients are needed (training), the fold is
-    recorded in the autograd graph each call so that weight and bias get their gradients: eagerly
-    and under CUDA-graph capture through ``ops.model_forward`` (fold and forward as one autograd
-    node), under torch.compile and torch.jit.trace through ``ops.fold`` then ``ops.forward``.
+    shape, strides and version counter (no host sync per call), or ``pool_kernel_size`` does.
+    In-place edits through ``.data`` bypass the version counter; call :meth:`invalidate_fold` after
+    such an edit. When gradients are needed (training), the fold is recorded in the autograd graph
+    each call so that weight and bias get their gradients: eagerly and under CUDA-graph capture
+    through ``ops.model_forward`` (fold and forward as one autograd node), under torch.compile and
+    torch.jit.trace through ``ops.fold`` then ``ops.forward``.
 
     What the fold cannot express runs Model's computation instead (Model's numbers and speed):
     a ``matmul`` that does more than ``x @ weight.T + bias`` (module hooks on it, as

@@ -46,9 +46,9 @@ def prepare_weight(weight: Tensor) -> Tensor:
     optimizer step, ``copy_``, ``load_state_dict``), or with another weight tensor, forward raises.
     Not seen: writes through ``.data``, in-place edits of an inference tensor (made under
     ``torch.inference_mode``, which keeps no version counter), and the origin of a copy of a
-    prepared weight (``clone()``, a loaded one), which is trusted to match. The layout belongs to this version of the package (it
-    changed in 0.1.0's development): make a new one rather than load one saved by another version.
-    Not differentiable.
+    prepared weight (``clone()``, a loaded one), which is trusted to match. The layout belongs to
+    this version of the package (it changed in 0.1.0's development): make a new one rather than
+    load one saved by another version. Not differentiable.
     """
     _check_defined("prepare_weight", "weight", weight)  # as in fold
     return _ops.prepare_weight(weight)

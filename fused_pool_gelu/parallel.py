@@ -52,7 +52,13 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import ops
-from .model import Model, ModelNew, _checked_pool_kernel_size, _is_plain_linear, pool_kernel_size_of
+from .model import (
+    Model,
+    ModelNew,
+    _checked_pool_kernel_size,
+    _is_plain_linear,
+    pool_kernel_size_of,
+)
 
 __all__ = ["TensorParallelPoolGelu", "split_groups"]
 

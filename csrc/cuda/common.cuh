@@ -107,9 +107,9 @@ inline cudaLaunchConfig_t dependent_launch_config(int64_t blocks, int threads, c
 // device must support it (compute capability 9.0 or later), and so must the code the runtime
 // loaded for the kernel there: wait_for_previous_grid() is an instruction only in code compiled
 // for sm_90 or later. A build that reaches a newer GPU only through older PTX
-// (TORCH_CUDA_ARCH_LIST="8.0+PTX" on an H100, compiled just in time) has it compiled to nothing, and
-// its dependents would read their inputs before the kernel before them had written them. Asked of
-// the runtime once per device, then an atomic load.
+// (TORCH_CUDA_ARCH_LIST="8.0+PTX" on an H100, compiled just in time) has it compiled to nothing,
+// and its dependents would read their inputs before the kernel before them had written them.
+// Asked of the runtime once per device, then an atomic load.
 template <auto kKernel>
 bool dependent_launch_enabled(int device) {
   constexpr int kCachedDevices = 64;
