@@ -72,6 +72,11 @@ constexpr int64_t prepared_bytes(int64_t rows, int64_t in_features) {
 // of every row).
 constexpr int kPreparedMaxScaleExponent = 63;
 
+// The norms' floor per term: a float32 sum of squares loses at most 2^-149 per term in float's
+// subnormal range (forward_certified.cuh's top), and every norm bound, the CUDA kernels' and the
+// CPU prepare_weight's, is taken as sqrt(sum + K 2^-148), twice that.
+constexpr double kNormSquaresFloorPerTerm = 0x1p-148;
+
 // The trailer's float32 slots.
 constexpr int kPreparedNorm = 0;
 constexpr int kPreparedResidualNorm = 1;

@@ -192,7 +192,7 @@ at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
       // forward_certified.cuh's top), and a slack above the double sum's K roundings and the four
       // after it (gamma_{K+4}(2^-53), doubled). Without the floor a value that underflowed once
       // scaled (2^-149 in a row whose largest is 2^77) left a residual norm of 0.
-      const double squares_floor = static_cast<double>(k) * 0x1p-148;
+      const double squares_floor = static_cast<double>(k) * kNormSquaresFloorPerTerm;
       const double slack = 1.0 + (static_cast<double>(k) + 4.0) * 0x1p-52;
       auto norm = [&](double sum) {
         const double bound =

@@ -1119,7 +1119,7 @@ double gamma(double terms, double u) { return terms * u / (1.0 - terms * u); }
 // most `depth` roundings deep: the floor K 2^-148 for the terms lost below the normal range, and
 // the slack 1 + gamma_depth(2^-24) + 2^-22, both rounded up.
 void norm_constants(int64_t k_padded, double depth, float& squares_floor, float& norm_slack) {
-  squares_floor = round_up_to_float(static_cast<double>(k_padded) * 0x1p-148);
+  squares_floor = round_up_to_float(static_cast<double>(k_padded) * kNormSquaresFloorPerTerm);
   norm_slack = round_up_to_float(1.0 + gamma(depth, 0x1p-24) + 0x1p-22);
 }
 
