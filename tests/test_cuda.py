@@ -801,7 +801,9 @@ def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(dtype, bias_o
     [(8192, 40, 300), (8192, 40, 301), (1024, 8192, 300)],
     ids=["4-column-loads", "scalar-loads", "K-slices"],
 )
-@pytest.mark.parametrize("bias_case", ["bias", "shifted", "nan-column"])
+@pytest.mark.parametrize(
+    "bias_case", ["bias", "shifted", "nan-column", "one-column-band", "tie-in-one-lane"]
+)
 @pytest.mark.parametrize(
     "scale", [1.7, -1.7, 3e-45, 3e37],
     ids=["band", "negative-scale", "subnormal-products", "overflowing-products"],
@@ -816,9 +818,12 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
     # [0, 80], many columns within 2^-10 of it, ties across lanes), does not apply (a negative
     # scale; rows whose z are all negative, with the bias shifted by -20; a NaN bias element,
     # which makes one column of every row non-finite among finite ones; rows with a NaN or an Inf
-    # x), or applies and does not decide (scale * gelu subnormal, or overflowing to Inf). With
-    # K = 8192, x is zero but in 40 columns, 10 at the start of each quarter of K (every slice
-    # contributes), so that z has the K = 40 cases' range.
+    # x), or applies and does not decide (scale * gelu subnormal, or overflowing to Inf). Column
+    # 77 lifted by 256 (z >= 175, the others' |z| <= 81) is alone in its rows' band: the kernel's
+    # shortcut for a band of one column, with no second read; column 205, the same lane's column
+    # in both load layouts, made equal to it ties with it in its lane: the band's second read,
+    # which must keep the first index. With K = 8192, x is zero but in 40 columns, 10 at the
+    # start of each quarter of K (every slice contributes), so that z has the K = 40 cases' range.
     x, weight, bias = _exact_half_inputs(batch, in_features, pooled, dtype)
     if in_features > 40:
         keep = torch.zeros(in_features, dtype=torch.bool, device=DEVICE)
@@ -829,6 +834,10 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
         bias = bias - 20  # rounded to the half type, still a multiple of 2^-7: z stays exact
     elif bias_case == "nan-column":
         bias[150] = float("nan")
+    elif bias_case in ("one-column-band", "tie-in-one-lane"):
+        bias[77] += 256  # rounded to the half type, a multiple of 2^-7 below 2^9: z stays exact
+        if bias_case == "tie-in-one-lane":
+            weight[205], bias[205] = weight[77], bias[77]
     x[5, 3] = float("nan")
     x[6, 7] = float("inf")
     launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale))
@@ -844,6 +853,10 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
     assert bool(out[5].isnan()) and bool(out[6].isnan())
     if bias_case == "nan-column":
         assert bool(out.isnan().all()) and bool((argmax <= 150).all())
+    if bias_case in ("one-column-band", "tie-in-one-lane") and scale == 1.7:
+        finite_rows = out.isfinite()
+        assert int(finite_rows.sum()) == batch - 2
+        assert bool((argmax[finite_rows] == 77).all())
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
