@@ -245,10 +245,12 @@ constexpr int64_t kPass1SmallTileMaxBatch = 64;
 // SM), and beyond it each wave adds ~4 us. A warp
 // per row keeps 8 scalar loads in flight per lane, two rounds at N = 512, or, where N % 4 == 0 and
 // the bias's start allows, 16 columns per lane in one round (4 columns per load: 16 bytes of z,
-// 16 or 8 of the bias), and evaluates the GELU only on argmax_band.h's band. On the H200,
-// bfloat16, N = 512 (NOTES, 2026-12-01, ~19:50 UTC), own time: CTA per row 3.2 / 3.8 / 4.0 / 4.3
-// / 4.7 us at 512 / 640 / 768 / 896 / 1024 rows (one wave: 1056) and 16.1 at 4096 (four); a warp
-// per row with 16-byte loads and the band 3.5 at every one of those up to 1024, 4.0 / 5.4 at
+// 16 or 8 of the bias), and evaluates the GELU only on argmax_band.h's band (one GELU and no
+// second read where the band holds one column: 5.6 -> 4.9 us at 4096 rows, bfloat16, NOTES
+// 2026-12-02; at 2048 rows and below the epilogue waits on the GEMM's tail either way). On the
+// H200, bfloat16, N = 512 (NOTES, 2026-12-01, ~19:50 UTC), own time: CTA per row 3.2 / 3.8 / 4.0
+// / 4.3 / 4.7 us at 512 / 640 / 768 / 896 / 1024 rows (one wave: 1056) and 16.1 at 4096 (four); a
+// warp per row with 16-byte loads and the band 3.5 at every one of those up to 1024, 4.0 / 5.4 at
 // 2048 / 4096 (the crossover near 580 rows; half a wave is 528). Scalar loads (before the band:
 // 6.8 / 7.0 / 7.7 / 9.9 at 512 / 1024 / 2048 / 4096) keep the one-wave rule.
 constexpr int kEpilogueThreads = 256;
