@@ -859,6 +859,37 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
         assert bool((argmax[finite_rows] == 77).all())
 
 
+@pytest.mark.profiler
+@pytest.mark.parametrize("pooled", [300, 301], ids=["4-column-loads", "scalar-loads"])
+def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(pooled):
+    # Columns 77 and 205 (one lane's in both load layouts) alone in the band, z205 = z77 + 2^-7,
+    # one float ulp at z ~ 98304 (bfloat16 holds that bias exactly; float16 does not), where
+    # gelu(z) = z and 0.75 z rounds two neighbouring z to one value in about a quarter of the rows:
+    # there the first column wins with the smaller z, so the lane's largest z alone (the kernel's
+    # shortcut for a band of one column) would give the wrong one; its second largest must send
+    # the row to the band's second read. The same op on 64 rows at a time (a CTA per row, every
+    # column evaluated) gives the bits to match; both columns must win somewhere.
+    batch, in_features = 8192, 40
+    x, weight, bias = _exact_half_inputs(batch, in_features, pooled, torch.bfloat16)
+    x[:, 0] = 1 / 8
+    weight[205] = weight[77]
+    weight[77, 0], weight[205, 0] = 0, 1 / 16  # x . (w205 - w77) = 2^-7 in every row
+    bias[77] = bias[205] = 3 * 2**15
+    scale = 0.75
+    launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale))
+    assert launched == {(32, 1, 4 if pooled % 4 == 0 else 1)}, launched
+    out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
+    chunk = lambda rows: ops.forward_with_argmax(x[rows], weight, bias, scale)  # noqa: E731
+    assert _epilogues_run(lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
+    expected = [torch.cat(parts) for parts in zip(
+        *(chunk(slice(row, row + 64)) for row in range(0, batch, 64)))]
+    for got, want in zip((out, argmax, preactivation), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    first_wins = int((argmax == 77).sum())
+    assert batch // 8 < first_wins < batch // 2, first_wins
+    assert first_wins + int((argmax == 205).sum()) == batch
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_half_forward_on_non_contiguous_operands(dtype):
     x, weight, bias = _exact_half_inputs(96, 2 * 300, 40, dtype)
