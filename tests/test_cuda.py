@@ -821,9 +821,10 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
     # x), or applies and does not decide (scale * gelu subnormal, or overflowing to Inf). Column
     # 77 lifted by 256 (z >= 175, the others' |z| <= 81) is alone in its rows' band: the kernel's
     # shortcut for a band of one column, with no second read; column 205, the same lane's column
-    # in both load layouts, made equal to it ties with it in its lane: the band's second read,
-    # which must keep the first index. With K = 8192, x is zero but in 40 columns, 10 at the
-    # start of each quarter of K (every slice contributes), so that z has the K = 40 cases' range.
+    # in both load layouts, made equal to it ties with it exactly in its lane, and the first index
+    # must win (which the shortcut would get right too: the test below is the one whose values
+    # tie with different z). With K = 8192, x is zero but in 40 columns, 10 at the start of each
+    # quarter of K (every slice contributes), so that z has the K = 40 cases' range.
     x, weight, bias = _exact_half_inputs(batch, in_features, pooled, dtype)
     if in_features > 40:
         keep = torch.zeros(in_features, dtype=torch.bool, device=DEVICE)
@@ -861,20 +862,23 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
 
 @pytest.mark.profiler
 @pytest.mark.parametrize("pooled", [300, 301], ids=["4-column-loads", "scalar-loads"])
-def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(pooled):
-    # Columns 77 and 205 (one lane's in both load layouts) alone in the band, z205 = z77 + 2^-7,
-    # one float ulp at z ~ 98304 (bfloat16 holds that bias exactly; float16 does not), where
-    # gelu(z) = z and 0.75 z rounds two neighbouring z to one value in about a quarter of the rows:
-    # there the first column wins with the smaller z, so the lane's largest z alone (the kernel's
-    # shortcut for a band of one column) would give the wrong one; its second largest must send
-    # the row to the band's second read. The same op on 64 rows at a time (a CTA per row, every
-    # column evaluated) gives the bits to match; both columns must win somewhere.
+@pytest.mark.parametrize("second", [205, 81], ids=["same-lane", "other-lane"])
+def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(pooled, second):
+    # Columns 77 and `second` alone in the band, z_second = z77 + 2^-7, one float ulp at z ~ 98304
+    # (bfloat16 holds that bias exactly; float16 does not), where gelu(z) = z and 0.75 z rounds two
+    # neighbouring z to one value in about a quarter of the rows: there the first column wins with
+    # the smaller z. Column 205 is 77's lane's in both load layouts (lane 19 of 4-column loads,
+    # 13 of scalar ones), so the lane's largest z alone (the kernel's shortcut for a band of one
+    # column) would give the wrong one: its second largest must send the row to the band's second
+    # read. Column 81 is another lane's (20, 17), whose largest is in the band too. The same op on
+    # 64 rows at a time (a CTA per row, every column evaluated) gives the bits to match; both
+    # columns must win somewhere.
     batch, in_features = 8192, 40
     x, weight, bias = _exact_half_inputs(batch, in_features, pooled, torch.bfloat16)
     x[:, 0] = 1 / 8
-    weight[205] = weight[77]
-    weight[77, 0], weight[205, 0] = 0, 1 / 16  # x . (w205 - w77) = 2^-7 in every row
-    bias[77] = bias[205] = 3 * 2**15
+    weight[second] = weight[77]
+    weight[77, 0], weight[second, 0] = 0, 1 / 16  # x . (w_second - w77) = 2^-7 in every row
+    bias[77] = bias[second] = 3 * 2**15
     scale = 0.75
     launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale))
     assert launched == {(32, 1, 4 if pooled % 4 == 0 else 1)}, launched
@@ -887,7 +891,7 @@ def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(p
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     first_wins = int((argmax == 77).sum())
     assert batch // 8 < first_wins < batch // 2, first_wins
-    assert first_wins + int((argmax == 205).sum()) == batch
+    assert first_wins + int((argmax == second).sum()) == batch
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
