@@ -68,6 +68,21 @@ def _relative_error(ours, ref):
     return float((ours.double() - ref).norm() / ref.norm())
 
 
+def _check_each_row_at_its_own_scale(ref, out, argmax, preactivation, x, weight, bias, scale):
+    """check_forward's absolute tolerance (1e-5) is above every value of a row of magnitude 1e-6 or
+    less: the output, the chosen column's value and the pre-activation held to 1e-5 of the row's
+    largest |value| and |z| instead."""
+    z64 = ref.preactivation(x, weight, bias)
+    v64 = ref.values(x, weight, bias, scale)
+    best64 = v64.amax(dim=1)
+    row_values = v64.abs().amax(dim=1)
+    assert bool(((out.double() - best64).abs() <= 1e-5 * row_values).all())
+    chosen = v64.gather(1, argmax[:, None]).squeeze(1)
+    assert bool(((chosen - best64).abs() <= 1e-5 * row_values).all())
+    z_chosen = z64.gather(1, argmax[:, None]).squeeze(1)
+    assert bool(((preactivation.double() - z_chosen).abs() <= 1e-5 * z64.abs().amax(dim=1)).all())
+
+
 # Default shape, odd sizes (B > 32: the tensor-core range), K = 65536, the widest layer the
 # selection serves (N = 4096, 16 n tiles), 9 m tiles. Batches of at most one row per SM (132 on the
 # H200) take pass 1's 128-wide tiles and the fused selection and rescoring (up to 32 splits), larger
@@ -286,18 +301,7 @@ def test_huge_and_tiny_magnitudes(magnitude, run_certified, make_inputs, check_f
     bias = bias * magnitude * 1e-3
     out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
-    # check_forward's absolute tolerance (1e-5) is above every value at the tiny magnitudes: hold
-    # the output, the chosen column's value and the pre-activation to each row's own magnitude.
-    z64 = ref.preactivation(x, weight, bias)
-    v64 = ref.values(x, weight, bias, 2.0)
-    best64 = v64.amax(dim=1)
-    row_values = v64.abs().amax(dim=1)
-    row_z = z64.abs().amax(dim=1)
-    assert bool(((out.double() - best64).abs() <= 1e-5 * row_values).all())
-    chosen = v64.gather(1, argmax[:, None]).squeeze(1)
-    assert bool(((chosen - best64).abs() <= 1e-5 * row_values).all())
-    z_chosen = z64.gather(1, argmax[:, None]).squeeze(1)
-    assert bool(((preactivation.double() - z_chosen).abs() <= 1e-5 * row_z).all())
+    _check_each_row_at_its_own_scale(ref, out, argmax, preactivation, x, weight, bias, 2.0)
     if magnitude == 1e25:
         # Above 2^77 even the largest scale, 2^-63, leaves x's rows beyond fp16's range: their
         # copies overflow and every row is rescored whole (kMaxScaleExponent).
@@ -354,14 +358,16 @@ def test_zero_rows_and_rows_wider_than_fp16(run_certified, make_inputs, check_fo
 # read each row's per-split norm sums through x_row_norms.
 @pytest.mark.parametrize("batch,in_features", [(96, 8192), (300, 4096)], ids=str)
 def test_rows_and_splits_of_different_magnitudes_keep_their_own_bounds(
-    batch, in_features, run_certified, make_inputs, check_forward
+    batch, in_features, run_certified, make_inputs, check_forward, ref
 ):
     # Rows 2^-24 .. 2^24 apart, and within each row K's second half 2^-16, 1 or 2^16 times the
     # first (so the splits of a row carry different scale exponents): each row's bound must come
     # from its own splits' sums. Scaled by powers of two, every row selects like data of magnitude
     # 1 (test_huge_and_tiny_magnitudes); a row handed another row's sums would get a bound up to
-    # 2^48 too wide (every column rescored: count -1) or too narrow (a wrong arg-max).
-    x, weight, bias = make_inputs(batch, in_features, 512, torch.float32, DEVICE)
+    # 2^48 too wide (every column rescored: count -1) or too narrow (a wrong arg-max). No bias,
+    # which would dominate the smallest rows' z and hide the latter.
+    x, weight, _ = make_inputs(batch, in_features, 512, torch.float32, DEVICE)
+    bias = None
     rows = torch.arange(batch, device=DEVICE)
     row_exponent = (rows % 5 - 2) * 12
     half_exponent = ((rows % 3) - 1) * 16
@@ -369,6 +375,7 @@ def test_rows_and_splits_of_different_magnitudes_keep_their_own_bounds(
     x[:, in_features // 2:] *= torch.exp2(half_exponent.float())[:, None]
     out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+    _check_each_row_at_its_own_scale(ref, out, argmax, preactivation, x, weight, bias, 2.0)
     stats = (int((counts == -1).sum()), float(counts[counts >= 0].float().mean()))
     assert bool((counts != -1).all()), stats
     assert float(counts.float().mean()) <= 4, stats
