@@ -12,6 +12,10 @@ fixture:
 - ``deterministic_algorithms``: deterministic mode, in which every fresh allocation (the ops'
   workspace included) is filled with NaN: a value a kernel never writes shows, even where an
   identical earlier call left the right one in the allocator's cache.
+- ``deterministic_cublas``: the same, for tests whose ops call cuBLAS.
+- ``kernels_run``: the names of the CUDA kernels a call launches (torch.profiler), for tests that
+  assert which path served them (mark them ``profiler``: CUPTI cannot attach under
+  compute-sanitizer).
 
 Every test starts from its own seed (derived from its node id): fresh data, reproducible.
 """
@@ -187,6 +191,14 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
 
 
+@pytest.fixture
+def deterministic_cublas(monkeypatch, deterministic_algorithms):
+    """deterministic_algorithms for tests whose ops call cuBLAS (the half path's GEMM): in
+    deterministic mode PyTorch refuses a cuBLAS call unless CUBLAS_WORKSPACE_CONFIG names one of
+    cuBLAS's deterministic workspace settings, and it reads the variable at each call."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
 def _fold_backward64(grad_pooled_weight, grad_pooled_bias, out_features, k):
     """fold's adjoint in float64: each pooled row's gradient / k on the k rows of its group, zeros
     on the out_features % k tail rows (grad_weight [out_features, K], grad_bias [out_features])."""
@@ -275,6 +287,20 @@ def _check_forward(out, argmax, preactivation, x, weight, bias, scale, tol=None)
 @pytest.fixture
 def check_forward():
     return _check_forward
+
+
+def _kernels_run(fn):
+    """Names of the CUDA kernels fn launches (torch.profiler), as the profiler spells them:
+    `void fused_pool_gelu::cuda::certified::select_rescore_kernel<8>(...)`."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+@pytest.fixture
+def kernels_run():
+    return _kernels_run
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ import torch
 
 import fused_pool_gelu
 
-pytestmark = pytest.mark.cuda
+# Every forced call's kernels are asserted through torch.profiler (certified_call).
+pytestmark = [pytest.mark.cuda, pytest.mark.profiler]
 DEVICE = "cuda"
 _OPS = torch.ops.fused_pool_gelu
 
@@ -42,18 +43,51 @@ def certified(monkeypatch):
 
 
 @pytest.fixture
-def run_certified(certified, deterministic_algorithms):
-    """run(x, weight, bias, scale) on the forced certified path: the forward's outputs and the
-    candidate counts. It also checks that the forward with the weight's prepared copy
-    (prepare_weight, made once) gives the same bits as without it (the copy made inside the call).
-    In deterministic mode, whose NaN-filled allocations keep the second call from finding the
-    first one's values in its workspace. Every row's count is checked to be a count: 1 to
-    kMaxCandidates (64), or -1 (rescored whole); an unwritten one reads as NaN's bits."""
+def certified_call(certified, kernels_run):
+    """call(x, weight, bias, scale, prepared=None): forward_with_argmax on the forced certified
+    path, asserting that the certified kernels served it (kernels_run): pass 1, then the fused
+    selection and rescoring for at most one row per SM (certified_fused_rows) or the selection and
+    rescoring kernels beyond, the weight's copy made in the call only without a prepared one, and
+    no 3xTF32 GEMM. Without this a forward that ignored FUSED_POOL_GELU_CERTIFIED would pass every
+    accuracy test here on the 3xTF32 path."""
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+
+    def call(x, weight, bias, scale, prepared=None):
+        outputs = []
+        names = kernels_run(
+            lambda: outputs.append(_OPS.forward_with_argmax(x, weight, bias, scale, prepared))
+        )
+
+        def ran(kernel):
+            # "::" keeps rescore_kernel from matching select_rescore_kernel.
+            return any(f"::{kernel}" in name for name in names)
+
+        fused = x.shape[0] <= sms
+        assert ran("certified_pass1_kernel"), names
+        assert ran("select_rescore_kernel") == fused, names
+        assert ran("select_candidates_kernel") != fused, names
+        assert ran("rescore_kernel") != fused, names
+        assert ran("prepare_rows_kernel") == (prepared is None), names
+        assert not any("tf32x3" in name for name in names), names
+        return outputs[0]
+
+    return call
+
+
+@pytest.fixture
+def run_certified(certified_call, deterministic_algorithms):
+    """run(x, weight, bias, scale) on the forced certified path (certified_call: its kernels
+    asserted): the forward's outputs and the candidate counts. It also checks that the forward
+    with the weight's prepared copy (prepare_weight, made once) gives the same bits as without it
+    (the copy made inside the call). In deterministic mode, whose NaN-filled allocations keep the
+    second call from finding the first one's values in its workspace. Every row's count is
+    checked to be a count: 1 to kMaxCandidates (64), or -1 (rescored whole); an unwritten one
+    reads as NaN's bits."""
 
     def run(x, weight, bias, scale):
-        out, argmax, preactivation = _OPS.forward_with_argmax(x, weight, bias, scale)
+        out, argmax, preactivation = certified_call(x, weight, bias, scale)
         prepared = _OPS.prepare_weight(weight)
-        for a, b in zip(_OPS.forward_with_argmax(x, weight, bias, scale, prepared),
+        for a, b in zip(certified_call(x, weight, bias, scale, prepared),
                         (out, argmax, preactivation)):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
         counts = _OPS._certified_candidate_counts(x, weight, bias, scale)
@@ -130,25 +164,25 @@ def test_certified_forward_matches_float64(
 
 @pytest.mark.parametrize("in_features,pooled", [(8192, 512), (3000, 37)], ids=str)
 def test_fused_rows_give_the_bits_of_the_two_kernel_path(
-    in_features, pooled, certified, make_inputs, deterministic_algorithms
+    in_features, pooled, certified_call, make_inputs, deterministic_algorithms
 ):
     # One row more than the SMs takes the 256-wide pass 1 and the two kernels, one row per SM the
-    # 128-wide pass 1 and the fused kernel (certified_fused_rows): other splits, other pass-1 sums
-    # and other candidates, but each row's rescoring is the same float32 arithmetic, so every
-    # output must be the same bits.
+    # 128-wide pass 1 and the fused kernel (certified_fused_rows; certified_call asserts which):
+    # other splits, other pass-1 sums and other candidates, but each row's rescoring is the same
+    # float32 arithmetic, so every output must be the same bits.
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     x, weight, bias = make_inputs(sms + 1, in_features, pooled, torch.float32, DEVICE)
-    two_kernels = _OPS.forward_with_argmax(x, weight, bias, 2.0)
-    fused = _OPS.forward_with_argmax(x[:sms], weight, bias, 2.0)
+    two_kernels = certified_call(x, weight, bias, 2.0)
+    fused = certified_call(x[:sms], weight, bias, 2.0)
     for a, b in zip(fused, two_kernels):
         torch.testing.assert_close(a, b[:sms], rtol=0, atol=0, equal_nan=True)
 
 
 def test_certified_forward_is_bitwise_deterministic(
-    certified, make_inputs, deterministic_algorithms
+    certified_call, make_inputs, deterministic_algorithms
 ):
     x, weight, bias = make_inputs(1024, 8192, 512, torch.float32, DEVICE)
-    first = _OPS.forward_with_argmax(x, weight, bias, 2.0)
+    first = certified_call(x, weight, bias, 2.0)
     for _ in range(3):
         again = _OPS.forward_with_argmax(x, weight, bias, 2.0)
         for a, b in zip(first, again):
@@ -233,12 +267,13 @@ def test_split_partials_that_cancel(batch, run_certified, check_forward):
     # and cancel to z < 1, so their rounding (up to 0.5 each) dwarfs every other error. x is 1 on
     # K's first and last 64-wide tiles (0 elsewhere), the weights +2 on the first and -2 on the
     # last: pass 1 splits K in whole tiles and, for one output tile at K = 8192, into several (8
-    # to 32 on the H200 at these batches), so whatever the split count the first split's partial is 128 and the
-    # last one's -128. The first also carries column A's 0.4375 (128.4375 rounds down to 128) or
-    # column B's 0.53125 (128.53125 rounds up to 129). Every value is exact in fp16 once scaled, so
-    # pass 1 loses nothing else: B's z~ = 1 - 0.25 exceeds A's 0 by far more than the bound's other
-    # terms (~0.04: the accumulation's g ||x|| ||w||, g ~ 1.5e-4), while A's exact z = 0.4375 beats
-    # B's 0.28125. Without the storage's term (~1 here) the selection would drop A.
+    # to 32 on the H200 at these batches), so whatever the split count the first split's partial
+    # is 128 and the last one's -128. The first also carries column A's 0.4375 (128.4375 rounds
+    # down to 128) or column B's 0.53125 (128.53125 rounds up to 129). Every value is exact in fp16
+    # once scaled, so pass 1 loses nothing else: B's z~ = 1 - 0.25 exceeds A's 0 by far more than
+    # the bound's other terms (~0.04: the accumulation's g ||x|| ||w||, g ~ 1.5e-4), while A's
+    # exact z = 0.4375 beats B's 0.28125. Without the storage's term (~1 here) the selection would
+    # drop A.
     in_features, pooled = 8192, 8
     column_a, column_b = 2, 5
     x = torch.zeros(batch, in_features, device=DEVICE)
@@ -339,6 +374,38 @@ def test_subnormal_inputs(run_certified, make_inputs, check_forward):
     weight[:, 1::3] *= 1e-41
     out, argmax, preactivation, counts = run_certified(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
+
+
+def test_rows_all_subnormal(run_certified, make_inputs, check_forward, ref):
+    # Rows of x and of the weight whose every element is subnormal (x ~1e-39, the weight's ~1e-39
+    # too). Even scaled by the largest power of two (2^63, kMaxScaleExponent) their squares are
+    # subnormal in float32, so the norms lean on the floor per term (kNormSquaresFloorPerTerm) and
+    # the copies are zero: those rows are bounded by their residuals alone. Their z are themselves
+    # subnormal, below check_forward's absolute tolerance: held instead to what float32's FMAs
+    # (-ftz=false) can be held to, each rounding at most half the subnormal spacing 2^-149, so
+    # |z - z64| <= K 2^-150 and |out - out64| <= |scale| (|z - z64| + 2^-150) / 2 + 2^-150
+    # (gelu(z) = z / 2 + O(z^2) there), both within K 2^-149 |scale|.
+    batch, in_features, pooled, scale = 128, 2048, 96, 2.0
+    x, weight, _ = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
+    tiny_rows, tiny_columns = [0, 3, 64, 127], [0, 50, 95]
+    x[tiny_rows] *= 1e-39
+    weight[tiny_columns] *= 4e-38
+    assert float(x[tiny_rows].abs().max()) < 2.0**-126
+    assert float(weight[tiny_columns].abs().max()) < 2.0**-126
+    out, argmax, preactivation, _ = run_certified(x, weight, None, scale)
+    check_forward(out, argmax, preactivation, x, weight, None, scale)
+    tol = in_features * 2.0**-149 * abs(scale)
+    rows = torch.tensor(tiny_rows, device=DEVICE)
+    z64 = ref.preactivation(x, weight, None)[rows]
+    v64 = ref.values(x, weight, None, scale)[rows]
+    best64 = v64.amax(dim=1)
+    assert bool((best64 > 0).all()) and bool((best64 < 2.0**-126).all())  # subnormal answers
+    assert bool(((out[rows].double() - best64).abs() <= tol).all())
+    # The chosen column is a maximizer within the two roundings of z that may have swapped it.
+    chosen = v64.gather(1, argmax[rows, None]).squeeze(1)
+    assert bool(((best64 - chosen) <= 2 * tol).all())
+    z_chosen = z64.gather(1, argmax[rows, None]).squeeze(1)
+    assert bool(((preactivation[rows].double() - z_chosen).abs() <= tol).all())
 
 
 def test_zero_rows_and_rows_wider_than_fp16(run_certified, make_inputs, check_forward):

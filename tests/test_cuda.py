@@ -74,25 +74,17 @@ def _pooled_relative_error(out, x, pooled_weight, pooled_bias, scale):
     return _relative_error(out, v64.max(dim=1).values)
 
 
-def _kernels_run(fn):
-    """Names of the CUDA kernels fn launches (torch.profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events()}
-
-
-def _epilogues_run(fn):
+def _epilogues_run(kernels_run, fn):
     """(threads per row, split bound, columns per load) of each argmax_epilogue_kernel instance fn
-    launches (any output type)."""
+    launches (any output type); kernels_run is the fixture."""
     found = (re.search(r"argmax_epilogue_kernel<(\d+), (\d+), [\w:]+, (\d+)>", name)
-             for name in _kernels_run(fn))
+             for name in kernels_run(fn))
     return {tuple(int(group) for group in m.groups()) for m in found if m}
 
 
-def _gemm_kernels_run(fn):
+def _gemm_kernels_run(kernels_run, fn):
     """Names of the CUDA kernels fn launches whose name says they are a forward split-K GEMM."""
-    return {name for name in _kernels_run(fn) if "splitk_kernel" in name}
+    return {name for name in kernels_run(fn) if "splitk_kernel" in name}
 
 
 def _assert_contract(out, model, x):
@@ -228,9 +220,9 @@ def test_batches_past_the_workspace_bound_run_in_slices(
 
 
 @pytest.mark.profiler
-def test_tiny_batch_at_the_default_shape_runs_the_row_parallel_gemv(make_inputs):
+def test_tiny_batch_at_the_default_shape_runs_the_row_parallel_gemv(make_inputs, kernels_run):
     x, weight, bias = make_inputs(1, 8192, 512, torch.float32, DEVICE)
-    names = _kernels_run(lambda: ops.forward_with_argmax(x, weight, bias, 2.0))
+    names = kernels_run(lambda: ops.forward_with_argmax(x, weight, bias, 2.0))
     assert any("rowwise_gemv_kernel" in n for n in names), names
 
 
@@ -316,10 +308,12 @@ def _has_wgmma_gemm():
 @pytest.mark.skipif(
     not _has_wgmma_gemm(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
-def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, make_inputs):
+def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(
+    monkeypatch, make_inputs, kernels_run
+):
     x, weight, bias = make_inputs(256, 1024, 256, torch.float32, DEVICE)
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
-    names = _gemm_kernels_run(run)
+    names = _gemm_kernels_run(kernels_run, run)
     assert any("wgmma" in n for n in names), names
     # The SIMT GEMV serves up to 16 rows, and from 17 to 32 on weights of at most 2^21 floats
     # (128 x 16384 exactly). Over that the tensor-core GEMV serves where its grid keeps 75% of the
@@ -337,12 +331,16 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(monkeypatch, m
     ]
     for batch, in_features, pooled, kernel in cases:
         x_b, weight_b, bias_b = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
-        names = _gemm_kernels_run(lambda: ops.forward_with_argmax(x_b, weight_b, bias_b, 2.0))
+        names = _gemm_kernels_run(
+            kernels_run, lambda: ops.forward_with_argmax(x_b, weight_b, bias_b, 2.0)
+        )
         assert names and all(kernel in n for n in names), (batch, in_features, pooled, names)
     monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
-    names = _gemm_kernels_run(run)
+    names = _gemm_kernels_run(kernels_run, run)
     assert names and not any("wgmma" in n for n in names), names
-    names = _gemm_kernels_run(lambda: ops.forward_with_argmax(x[:32], weight, bias, 2.0))
+    names = _gemm_kernels_run(
+        kernels_run, lambda: ops.forward_with_argmax(x[:32], weight, bias, 2.0)
+    )
     assert names and all("simt_splitk" in n for n in names), names
 
 
@@ -358,12 +356,12 @@ EPILOGUE_SPLITS = [256, 512, 768, 1280, 2048, 12288, 16384, 65536]
 @pytest.mark.profiler
 @pytest.mark.parametrize("in_features", EPILOGUE_SPLITS, ids=lambda k: f"splits{k // 256}")
 def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs, check_forward,
-                                                       deterministic_algorithms):
+                                                       deterministic_algorithms, kernels_run):
     x, weight, bias = make_inputs(8, in_features, 3, torch.float32, DEVICE)
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
     # The split bound each split count takes (0: batches of splits, past the largest bound).
     bound = {1: 1, 2: 2, 3: 4, 5: 8, 8: 8, 48: 64, 64: 64, 256: 0}[in_features // 256]
-    assert {launched[1] for launched in _epilogues_run(run)} == {bound}
+    assert {launched[1] for launched in _epilogues_run(kernels_run, run)} == {bound}
     out, argmax, preactivation = run()
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
     assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
@@ -388,10 +386,10 @@ WIDE_ROW_SHAPES = [
     ids=[f"B{b}-K{k}-N{n}" for b, k, n, _, _ in WIDE_ROW_SHAPES],
 )
 def test_wide_row_epilogue_matches_float64(batch, in_features, pooled, threads, bounds, make_inputs,
-                                           check_forward, deterministic_algorithms):
+                                           check_forward, deterministic_algorithms, kernels_run):
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
-    launched = _epilogues_run(run)
+    launched = _epilogues_run(kernels_run, run)
     assert len(launched) == 1, launched
     ((cta_threads, bound, columns_per_load),) = launched
     assert cta_threads == threads and bound in bounds and columns_per_load == 1, launched
@@ -423,10 +421,10 @@ TC_GEMV_SHAPES = [
     ids=[f"B{b}-K{k}-N{n}" for b, k, n in TC_GEMV_SHAPES],
 )
 def test_tensor_core_gemv_matches_float64(batch, in_features, pooled, make_inputs, check_forward,
-                                          deterministic_algorithms):
+                                          deterministic_algorithms, kernels_run):
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
-    names = _gemm_kernels_run(run)
+    names = _gemm_kernels_run(kernels_run, run)
     assert names and all("tf32x3_gemv" in n for n in names), names
     out, argmax, preactivation = run()
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
@@ -483,7 +481,7 @@ def test_tensor_core_gemms_match_float64(
 @pytest.mark.parametrize("path", ["default", "mma_sync"])
 @pytest.mark.parametrize("pooled", [1, 2, 3])
 def test_tensor_core_gemms_keep_the_contract_on_few_output_columns(
-    path, pooled, monkeypatch, make_inputs, deterministic_algorithms
+    path, pooled, monkeypatch, make_inputs, deterministic_algorithms, kernels_run
 ):
     for name, value in PATH_SWITCHES[path].items():
         monkeypatch.setenv(name, value)
@@ -494,7 +492,7 @@ def test_tensor_core_gemms_keep_the_contract_on_few_output_columns(
             x, weight, bias = make_inputs(batch, 257, pooled, torch.float32, DEVICE)
             run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
             if seed == 0:
-                names = _gemm_kernels_run(run)
+                names = _gemm_kernels_run(kernels_run, run)
                 assert names and all("tf32x3" in n for n in names), names
             out, _, _ = run()
             worst = max(worst, _pooled_relative_error(out, x, weight, bias, 2.0))
@@ -694,7 +692,9 @@ def _assert_half_equals_float32_path(x, weight, bias, scale):
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", HALF_SHAPES)
-def test_half_forward_is_the_float32_answer_rounded_once(shape, dtype, has_bias):
+def test_half_forward_is_the_float32_answer_rounded_once(
+    shape, dtype, has_bias, deterministic_cublas
+):
     batch, in_features, pooled = shape
     x, weight, bias = _exact_half_inputs(batch, in_features, pooled, dtype, has_bias)
     # A scale that is not a power of two: with 2, gelu(z) = z above ~5.3 would hide a z rounded
@@ -706,7 +706,7 @@ def test_half_forward_is_the_float32_answer_rounded_once(shape, dtype, has_bias)
 @pytest.mark.parametrize("bias_offset", [0, 1], ids=["bias-aligned", "bias-offset-1"])
 @pytest.mark.parametrize("shape", [(600, 32, 7), (2000, 24, 300), (4096, 96, 512)])
 def test_one_split_epilogue_over_many_rows_matches_float64(
-    shape, bias_offset, make_inputs, check_forward
+    shape, bias_offset, make_inputs, check_forward, kernels_run
 ):
     # float32 shapes whose GEMM takes one split (K within one 32-wide K tile, or one wgmma CTA
     # per SM): the one-split epilogues that the half path uses, a CTA per row within one wave of
@@ -716,7 +716,7 @@ def test_one_split_epilogue_over_many_rows_matches_float64(
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     bias = torch.cat([bias.new_full((bias_offset,), float("nan")), bias])[bias_offset:]
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
-    launched = _epilogues_run(run)
+    launched = _epilogues_run(kernels_run, run)
     assert len(launched) == 1, launched
     ((threads_per_row, bound, columns_per_load),) = launched
     assert bound == 1, launched
@@ -736,7 +736,7 @@ def test_one_split_epilogue_over_many_rows_matches_float64(
     ids=["B=1024", "B=2048", "B=4096", "K-a-multiple-of-16-not-32", "K-not-a-multiple-of-16",
          "K=4096", "K=2048", "B=511"],
 )
-def test_half_gemm_slices_of_k_follow_the_rule(shape, dtype):
+def test_half_gemm_slices_of_k_follow_the_rule(shape, dtype, kernels_run, deterministic_cublas):
     # The epilogue's split bound shows the GEMM's slices of K (a warp per row past half a wave of
     # rows, which 1024 rows are on GPUs of fewer than 256 SMs at 8 CTAs per SM; B = 511 one
     # slice, a CTA per row on an H200 but a warp per row on GPUs of under 128 SMs). On an H200:
@@ -744,7 +744,9 @@ def test_half_gemm_slices_of_k_follow_the_rule(shape, dtype):
     batch, in_features, pooled = shape
     slices = _expected_half_slices(batch, in_features, pooled)
     x, weight, bias = _exact_half_inputs(batch, in_features, pooled, dtype)
-    launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, 1.7))
+    launched = _epilogues_run(
+        kernels_run, lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, 1.7)
+    )
     if batch >= 1024:
         assert launched == {(32, slices, 4)}, (launched, slices)
     else:
@@ -754,7 +756,7 @@ def test_half_gemm_slices_of_k_follow_the_rule(shape, dtype):
 
 @pytest.mark.profiler
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_half_slices_of_k_give_the_same_bits_a_warp_or_a_cta_per_row(dtype):
+def test_half_slices_of_k_give_the_same_bits_a_warp_or_a_cta_per_row(dtype, kernels_run):
     # Random values (sums not exact: their order shows): the same GEMM's slices summed by the
     # warp per row in 16-byte loads (an aligned bias) and by a CTA per row in scalar loads (a bias
     # view one element into its storage, the same values), in the same order: the same bits.
@@ -769,7 +771,9 @@ def test_half_slices_of_k_give_the_same_bits_a_warp_or_a_cta_per_row(dtype):
     shifted = torch.cat([bias.new_zeros(1), bias])[1:]
     runs = {}
     for name, b in (("aligned", bias), ("shifted", shifted)):
-        launched = _epilogues_run(lambda b=b: ops.forward_with_argmax(x, weight, b, 1.7))
+        launched = _epilogues_run(
+            kernels_run, lambda b=b: ops.forward_with_argmax(x, weight, b, 1.7)
+        )
         runs[name] = ops.forward_with_argmax(x, weight, b, 1.7)
         assert len(launched) == 1, launched
         ((threads_per_row, bound, columns_per_load),) = launched
@@ -781,7 +785,7 @@ def test_half_slices_of_k_give_the_same_bits_a_warp_or_a_cta_per_row(dtype):
 
 @pytest.mark.profiler
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_half_slices_of_k_over_views(dtype):
+def test_half_slices_of_k_over_views(dtype, kernels_run, deterministic_cublas):
     # Slices of K over views: x a column window of a wider tensor (stride(0) > K, a storage
     # offset), rows of x from the middle of a larger batch, and the weight a column window too.
     batch, in_features, pooled = 1024, 8192, 512  # 4 slices on an H200
@@ -790,7 +794,7 @@ def test_half_slices_of_k_over_views(dtype):
     weight_view = weight[:, 8:8 + in_features]
     assert x_view.stride(0) == in_features + 16 and weight_view.storage_offset() == 8
     slices = _expected_half_slices(batch, in_features, pooled)
-    launched = _epilogues_run(lambda: _OPS.forward(x_view, weight_view, bias, 1.7))
+    launched = _epilogues_run(kernels_run, lambda: _OPS.forward(x_view, weight_view, bias, 1.7))
     assert launched == {(32, slices, 4)}, (launched, slices)  # the views' slices, not one copy
     _assert_half_equals_float32_path(x_view, weight_view, bias, 1.7)
 
@@ -798,14 +802,18 @@ def test_half_slices_of_k_over_views(dtype):
 @pytest.mark.profiler
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("bias_offset", [0, 1, 2, 3, 4])
-def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(dtype, bias_offset):
+def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(
+    dtype, bias_offset, kernels_run, deterministic_cublas
+):
     # A warp per row reads 4 columns of the bias at once where its start allows (8 bytes in a
     # half type: offsets 0 and 4); a view 1-3 elements into its storage must take scalar loads.
     # kEpilogueWarpPerRowMinBatch rows: a warp per row on any GPU, whatever one wave holds.
     x, weight, bias = _exact_half_inputs(8192, 40, 300, dtype)
     padded = torch.cat([torch.full((bias_offset,), float("nan"), device=DEVICE, dtype=dtype), bias])
     bias = padded[bias_offset:]
-    launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, 1.7))
+    launched = _epilogues_run(
+        kernels_run, lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, 1.7)
+    )
     assert launched == {(32, 1, 1 if bias_offset % 4 else 4)}, launched
     _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
@@ -825,7 +833,7 @@ def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(dtype, bias_o
     ids=["band", "negative-scale", "subnormal-products", "overflowing-products"],
 )
 def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
-    dtype, batch, in_features, pooled, bias_case, scale
+    dtype, batch, in_features, pooled, bias_case, scale, kernels_run, deterministic_cublas
 ):
     # argmax_band.h's band in the warp-per-row epilogue (8192 rows: a warp per row of one split on
     # any GPU; 1024 rows of K = 8192: the half GEMM's slices of K, _expected_half_slices) against
@@ -857,11 +865,13 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
             weight[205], bias[205] = weight[77], bias[77]
     x[5, 3] = float("nan")
     x[6, 7] = float("inf")
-    launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale))
+    launched = _epilogues_run(
+        kernels_run, lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale)
+    )
     slices = _expected_half_slices(batch, in_features, pooled)
     assert launched == {(32, slices, 4 if pooled % 4 == 0 else 1)}, launched
     chunk = lambda rows: ops.forward_with_argmax(x[rows], weight, bias, scale)  # noqa: E731
-    assert _epilogues_run(lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
+    assert _epilogues_run(kernels_run, lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
     expected = [torch.cat(parts) for parts in zip(
         *(chunk(slice(row, row + 64)) for row in range(0, batch, 64)))]
@@ -879,7 +889,9 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
 @pytest.mark.profiler
 @pytest.mark.parametrize("pooled", [300, 301], ids=["4-column-loads", "scalar-loads"])
 @pytest.mark.parametrize("second", [205, 81], ids=["same-lane", "other-lane"])
-def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(pooled, second):
+def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(
+    pooled, second, kernels_run
+):
     # Columns 77 and `second` alone in the band, z_second = z77 + 2^-7, one float ulp at z ~ 98304
     # (bfloat16 holds that bias exactly; float16 does not), where gelu(z) = z and 0.75 z rounds two
     # neighbouring z to one value in about a quarter of the rows: there the first column wins with
@@ -896,11 +908,13 @@ def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(p
     weight[77, 0], weight[second, 0] = 0, 1 / 16  # x . (w_second - w77) = 2^-7 in every row
     bias[77] = bias[second] = 3 * 2**15
     scale = 0.75
-    launched = _epilogues_run(lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale))
+    launched = _epilogues_run(
+        kernels_run, lambda: torch.ops.fused_pool_gelu.forward(x, weight, bias, scale)
+    )
     assert launched == {(32, 1, 4 if pooled % 4 == 0 else 1)}, launched
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
     chunk = lambda rows: ops.forward_with_argmax(x[rows], weight, bias, scale)  # noqa: E731
-    assert _epilogues_run(lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
+    assert _epilogues_run(kernels_run, lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
     expected = [torch.cat(parts) for parts in zip(
         *(chunk(slice(row, row + 64)) for row in range(0, batch, 64)))]
     for got, want in zip((out, argmax, preactivation), expected):
@@ -911,7 +925,7 @@ def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(p
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_half_forward_on_non_contiguous_operands(dtype):
+def test_half_forward_on_non_contiguous_operands(dtype, deterministic_cublas):
     x, weight, bias = _exact_half_inputs(96, 2 * 300, 40, dtype)
     x_strided = x[:, ::2]  # row stride 600, column stride 2
     weight_t = weight[:, :300].t().contiguous().t()  # column-major
@@ -920,7 +934,9 @@ def test_half_forward_on_non_contiguous_operands(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_half_forward_with_non_finite_values_takes_the_first_nan_column(dtype, check_forward):
+def test_half_forward_with_non_finite_values_takes_the_first_nan_column(
+    dtype, check_forward, deterministic_cublas
+):
     x, weight, bias = _exact_half_inputs(6, 64, 9, dtype)
     x[1, 3] = float("nan")  # every column of row 1 NaN: index 0
     x[2, 5] = float("-inf")  # row 2 non-finite in every column (0 x Inf is NaN as well)
@@ -976,7 +992,9 @@ def test_cuda_graph_replay_of_model_new_under_no_grad_equals_eager(batch, captur
 @pytest.mark.graphs
 @pytest.mark.profiler
 @pytest.mark.parametrize("batch", [8, 128, 1024])
-def test_cuda_graph_of_the_op_on_weights_folded_once_equals_model_new(batch, capture_graph):
+def test_cuda_graph_of_the_op_on_weights_folded_once_equals_model_new(
+    batch, capture_graph, kernels_run
+):
     # docs/training.md's pattern for fixed weights: the op captured on ModelNew's folded
     # parameters and their prepared copy (N x K = 2^22: the certified path at 128 and 1024 rows),
     # the same bits as ModelNew's eager calls, which read the same cache.
@@ -987,7 +1005,7 @@ def test_cuda_graph_of_the_op_on_weights_folded_once_equals_model_new(batch, cap
         prepared_weight = fused_pool_gelu.prepare_weight(pooled_weight)
         call = lambda: fused_pool_gelu.forward(  # noqa: E731
             static_x, pooled_weight, pooled_bias, new.scale_factor, prepared_weight)
-        certified = any("certified" in name for name in _kernels_run(call))
+        certified = any("certified" in name for name in kernels_run(call))
         assert certified == (batch > 8 and _has_wgmma_gemm())
         graph, static_out = capture_graph(call)
         for _ in range(2):
