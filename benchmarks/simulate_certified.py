@@ -5,6 +5,8 @@ pass"): how tight the bound is and how many columns each row sends to the rescor
     python benchmarks/simulate_certified.py --x-dist rand -B 1024 -K 8192 -N 512 --splits 8
     python benchmarks/simulate_certified.py --x-dist rand --weights model   # the benchmarks' data
     python benchmarks/simulate_certified.py --x-dist rand --weights model --operands bf16
+    python benchmarks/simulate_certified.py --x-dist rand --weights model -B 16 --splits 16 \
+        --operands int8-weight
     python benchmarks/simulate_certified.py --x-dist rand --weights model --partials float32
 
 --weights uniform draws the pooled weight like one nn.Linear(K, N) row set; --weights model draws
@@ -67,19 +69,30 @@ def bf16(a):
     return rounded.astype(np.uint32).view(np.float32)
 
 
+def int8_rows(a):
+    """Each row scaled by its largest |value| / 127 and rounded to int8, scaled back, as float32:
+    a 1-byte copy with 8 bits for every element, where fp8 keeps 4 significant bits."""
+    largest = np.abs(a).max(axis=1, keepdims=True).astype(np.float64)
+    scale = np.where(largest > 0, largest / 127, 1)
+    return (np.rint(a / scale) * scale).astype(np.float32)
+
+
 # Pass 1's (x, weight) operand formats: TF32 for both (the kernel's first form); bf16 for both (a
 # tensor-core what-if); a float32 x against a bf16 copy of the weight (a what-if for the small-batch
 # GEMV, which runs on CUDA cores and is bound by reading the weight: half the bytes); TF32 x against
 # a bf16 copy of the weight (a what-if for a TF32 tensor-core pass reading the bf16 copy, whose
 # values TF32 holds exactly: the weight's bytes halved, x's residual term unchanged); fp16 copies of
 # both, each row scaled by a power of two (the kernel's now: fp16 rounds to nearest where the tensor
-# core truncates to TF32, at twice TF32's rate and half its bytes).
+# core truncates to TF32, at twice TF32's rate and half its bytes); a float32 x against an int8
+# copy of the weight with a scale per row (a what-if for a small-batch GEMV reading 1 byte per
+# weight element).
 OPERANDS = {
     "tf32": (tf32, tf32),
     "bf16": (bf16, bf16),
     "bf16-weight": (lambda a: a, bf16),
     "tf32-x-bf16-weight": (tf32, bf16),
     "fp16-scaled": (fp16_scaled, fp16_scaled),
+    "int8-weight": (lambda a: a, int8_rows),
 }
 
 
