@@ -7,6 +7,8 @@
 #                                              and test_certified.py, the kernel tests; not slow, not
 #                                              profiler) under each tool
 #   SANITIZE_TESTS=cuda                        every one of them (-k also matches marker names)
+#   The tests run with FUSED_POOL_GELU_SANITIZER set to the tool: test_certified.py's forced calls
+#   then skip their torch.profiler check of which kernels ran (CUPTI cannot attach).
 #
 # PyTorch's caching allocator hides out-of-bounds accesses inside its pooled blocks, so the tests
 # run with it off, except those marked `graphs`: capturing a CUDA graph allocates through the
@@ -48,11 +50,12 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
     status=1
   if [[ -n "${SANITIZE_TESTS:-}" ]]; then
     echo "== ${sanitize[*]}: tests -k '$selection' (caching allocator off)"
-    (cd "$here/../tests" && PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${sanitize[@]}" "${pytest_gpu[@]}" \
+    (cd "$here/../tests" && PYTORCH_NO_CUDA_MEMORY_CACHING=1 FUSED_POOL_GELU_SANITIZER=$tool \
+      "${sanitize[@]}" "${pytest_gpu[@]}" \
       -m "cuda and not slow and not profiler and not graphs" -k "$selection" test_cuda.py \
       test_certified.py) || status=1
     echo "== ${sanitize[*]}: tests -k '$selection', graph captures (caching allocator on)"
-    (cd "$here/../tests" && "${sanitize[@]}" "${pytest_gpu[@]}" \
+    (cd "$here/../tests" && FUSED_POOL_GELU_SANITIZER=$tool "${sanitize[@]}" "${pytest_gpu[@]}" \
       -m "cuda and graphs and not slow and not profiler" -k "$selection" test_cuda.py)
     rc=$?
     # pytest's 5 (no test collected): a selection without graph captures (test_certified).

@@ -14,8 +14,9 @@ fixture:
   identical earlier call left the right one in the allocator's cache.
 - ``deterministic_cublas``: the same, for tests whose ops call cuBLAS.
 - ``kernels_run``: the names of the CUDA kernels a call launches (torch.profiler), for tests that
-  assert which path served them (mark them ``profiler``: CUPTI cannot attach under
-  compute-sanitizer).
+  assert which path served them. CUPTI cannot attach under compute-sanitizer: mark such tests
+  ``profiler`` (scripts/sanitize.sh leaves those out), or skip the check where
+  FUSED_POOL_GELU_SANITIZER is set (sanitize.sh sets it), as test_certified.py does.
 
 Every test starts from its own seed (derived from its node id): fresh data, reproducible.
 """

@@ -11,13 +11,14 @@ tiny magnitudes, subnormals, non-finite rows, long K; `_certified_candidate_coun
 many columns each row sent to the rescoring (-1: all of them).
 """
 
+import os
+
 import pytest
 import torch
 
 import fused_pool_gelu
 
-# Every forced call's kernels are asserted through torch.profiler (certified_call).
-pytestmark = [pytest.mark.cuda, pytest.mark.profiler]
+pytestmark = pytest.mark.cuda
 DEVICE = "cuda"
 _OPS = torch.ops.fused_pool_gelu
 
@@ -49,10 +50,15 @@ def certified_call(certified, kernels_run):
     selection and rescoring for at most one row per SM (certified_fused_rows) or the selection and
     rescoring kernels beyond, the weight's copy made in the call only without a prepared one, and
     no 3xTF32 GEMM. Without this a forward that ignored FUSED_POOL_GELU_CERTIFIED would pass every
-    accuracy test here on the 3xTF32 path."""
+    accuracy test here on the 3xTF32 path. Under scripts/sanitize.sh (FUSED_POOL_GELU_SANITIZER
+    set), whose compute-sanitizer leaves CUPTI no way to attach, the call runs without the
+    profiler and its kernels are not asserted: there the memory checks are the point."""
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    under_sanitizer = bool(os.environ.get("FUSED_POOL_GELU_SANITIZER"))
 
     def call(x, weight, bias, scale, prepared=None):
+        if under_sanitizer:
+            return _OPS.forward_with_argmax(x, weight, bias, scale, prepared)
         outputs = []
         names = kernels_run(
             lambda: outputs.append(_OPS.forward_with_argmax(x, weight, bias, scale, prepared))
