@@ -818,6 +818,16 @@ def test_half_forward_with_a_bias_view_not_aligned_to_four_columns(
     _assert_half_equals_float32_path(x, weight, bias, 1.7)
 
 
+def _by_cta_per_row(kernels_run, x, weight, bias, scale):
+    """forward_with_argmax's outputs computed 64 rows at a time, where the one-split epilogue takes
+    a CTA per row and evaluates every column (asserted on the first 64): the bits that the warp
+    per row's argmax_band.h band must give."""
+    chunk = lambda rows: ops.forward_with_argmax(x[rows], weight, bias, scale)  # noqa: E731
+    assert _epilogues_run(kernels_run, lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
+    return [torch.cat(parts) for parts in zip(
+        *(chunk(slice(row, row + 64)) for row in range(0, x.shape[0], 64)))]
+
+
 @pytest.mark.profiler
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize(
@@ -870,11 +880,8 @@ def test_warp_row_band_gives_the_bits_of_every_columns_gelu(
     )
     slices = _expected_half_slices(batch, in_features, pooled)
     assert launched == {(32, slices, 4 if pooled % 4 == 0 else 1)}, launched
-    chunk = lambda rows: ops.forward_with_argmax(x[rows], weight, bias, scale)  # noqa: E731
-    assert _epilogues_run(kernels_run, lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
-    expected = [torch.cat(parts) for parts in zip(
-        *(chunk(slice(row, row + 64)) for row in range(0, batch, 64)))]
+    expected = _by_cta_per_row(kernels_run, x, weight, bias, scale)
     for got, want in zip((out, argmax, preactivation), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert bool(out[5].isnan()) and bool(out[6].isnan())
@@ -913,10 +920,7 @@ def test_warp_row_band_keeps_the_first_of_two_columns_whose_values_round_equal(
     )
     assert launched == {(32, 1, 4 if pooled % 4 == 0 else 1)}, launched
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, scale)
-    chunk = lambda rows: ops.forward_with_argmax(x[rows], weight, bias, scale)  # noqa: E731
-    assert _epilogues_run(kernels_run, lambda: chunk(slice(0, 64))) == {(256, 1, 1)}
-    expected = [torch.cat(parts) for parts in zip(
-        *(chunk(slice(row, row + 64)) for row in range(0, batch, 64)))]
+    expected = _by_cta_per_row(kernels_run, x, weight, bias, scale)
     for got, want in zip((out, argmax, preactivation), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     first_wins = int((argmax == 77).sum())
