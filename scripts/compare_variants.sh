@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kernel variants side by side on the GPU machine, in one call.
 #
-# Here (with git):   scripts/compare_variants.sh prepare main=main bf16=next/bf16-partials ...
+# Here (with git):   scripts/compare_variants.sh prepare main=main new=my-branch ...
 #   exports each git ref's tree into variants/NAME, replacing what was there (git-ignored: name
 #   `variants` in the device tool's `carry`, 64 MB in all; one tree is ~1 MB).
 # There:             scripts/compare_variants.sh run

@@ -75,8 +75,9 @@ for stage in "$@"; do
       run_stage profile /tmp python3 "$ROOT/benchmarks/profile_forward.py" --out "$OUT/profile.json"
       ;;
     profile-shapes)
-      # Which path should serve each batch away from the default shape (NOTES, 13:24 UTC update;
-      # the certified path applies from 33 rows, and its candidate counts only there).
+      # Which path should serve each batch away from the default shape (research/README.md,
+      # decision log: where the certified path serves). It applies from 33 rows, and its candidate
+      # counts only there.
       run_stage profile-shapes /tmp python3 "$ROOT/benchmarks/profile_forward.py" \
         --paths default certified 3xtf32 --batches 40 128 513 1024 \
         --shapes 1024x512 2048x512 4096x512 8192x128 8192x2048 16384x512 \

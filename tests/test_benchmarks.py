@@ -1,7 +1,8 @@
 """The benchmark harness (benchmarks/common.py, plot.py, bench_forward.py) on the CPU: which rows
 count as accurate, that a speedup only compares rows of one run, that a skipped pair replaces an
 older run's row, that plot.py passes over files that are not benchmark results, and that a run
-whose own rows fail says so in its exit status.
+whose own rows fail says so in its exit status. Also that research/simulate_certified.py, the
+certified bound's CPU model, still runs from its place and covers the arg-max.
 
 The harness is not part of the package: these tests load it from the source tree beside them and
 skip where there is none (an sdist's tests).
@@ -258,3 +259,15 @@ def test_cuda_graph_replays_of_training_steps_are_timed_and_checked(tmp_path, mo
 
     monkeypatch.setitem(bench.BUILDERS, "ours_model", build_wrong)
     assert bench.main(argv[:-3] + ["--no-save", "--impls", "ours_model", "--cuda-graph"]) == 1
+
+
+def test_the_certified_bound_model_in_research_still_runs():
+    path = BENCH_DIR.parent / "research" / "simulate_certified.py"
+    if not path.exists():
+        pytest.skip("needs the source tree's research/")
+    pytest.importorskip("numpy")
+    spec = importlib.util.spec_from_file_location("simulate_certified", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.simulate(32, 256, 64, 4, 2.0, "rand", "model", seed=0)
+    assert result["max_err_over_bound"] < 1 and result["argmax_always_candidate"], result

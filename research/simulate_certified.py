@@ -1,28 +1,28 @@
-"""CPU simulation of the certified forward's selection (csrc/cuda/forward.cu, "Certified single
-pass"): how tight the bound is and how many columns each row sends to the rescoring.
+"""How tight is the certified forward's bound, and how many columns does each row send to the
+rescoring, for a given shape, data and pass-1 operand format? A CPU model (numpy, torch) of the
+certified path's pass 1 and selection (docs/design.md; csrc/cuda/certified.cu), no GPU needed.
 
-    python benchmarks/simulate_certified.py                  # default shape, x ~ randn, 3 seeds
-    python benchmarks/simulate_certified.py --x-dist rand -B 1024 -K 8192 -N 512 --splits 8
-    python benchmarks/simulate_certified.py --x-dist rand --weights model   # the benchmarks' data
-    python benchmarks/simulate_certified.py --x-dist rand --weights model --operands bf16
-    python benchmarks/simulate_certified.py --x-dist rand --weights model -B 16 --splits 16 \
+    python research/simulate_certified.py                  # default shape, x ~ randn, 3 seeds
+    python research/simulate_certified.py --x-dist rand -B 1024 -K 8192 -N 512 --splits 8
+    python research/simulate_certified.py --x-dist rand --weights model   # the benchmarks' data
+    python research/simulate_certified.py --x-dist rand --weights model --operands bf16
+    python research/simulate_certified.py --x-dist rand --weights model -B 16 --splits 16 \
         --operands int8-weight
-    python benchmarks/simulate_certified.py --x-dist rand --weights model --partials float32
+    python research/simulate_certified.py --x-dist rand --weights model --partials float32
 
 --weights uniform draws the pooled weight like one nn.Linear(K, N) row set; --weights model draws
 nn.Linear(K, N * k) (k = 16) and pools it as the fold does, which is what the benchmarks run.
 
-Pass 1 is emulated as the bound models it: operands as the kernel's fp16 copies (each row scaled by
-a power of two; --operands tf32 truncates both to TF32, the first certified pass 1; bf16 rounds both
-to bfloat16, bf16-weight only the weight: what-ifs, the bound takes the residual norms of whichever
-format), float32 products and sums per split, each split's partial rounded to bfloat16, as the
-kernel stores it, with the bound's step 6 for that ((2^-8 + gamma_{S+1}) sum |p^_s| + gamma_{S+1}
-|bias| more; --partials float32: the float32 partials of the kernel before e722ff6), then split sums
-and bias in float32. The bound (with the rows' residual norms) and the interval GELU use the
-kernel's constants (computed here in float64, which only makes them marginally tighter). Prints, per
-seed: the largest |z~ - z64| / E (must stay below 1), the mean E relative to the spread of z, the
-candidates per row (mean, quantiles, rows over the kernel's 64) and whether the float64 arg-max was
-always a candidate.
+Pass 1 is emulated as the bound models it: operands as the kernel's fp16 copies (each row scaled
+by a power of two), float32 products and sums per split, each split's partial rounded to bfloat16
+as the kernel stores it, with the bound's term for that storage ((2^-8 + gamma_{S+1}) sum |p^_s| +
+gamma_{S+1} |bias| more; --partials float32 leaves both out), then split sums and bias in float32.
+The other --operands are what-ifs (OPERANDS below); the bound takes the residual norms of
+whichever format. The bound (with the rows' residual norms) and the interval GELU use the kernel's
+constants (computed here in float64, which only makes them marginally tighter). Prints, per seed:
+the largest |z~ - z64| / E (must stay below 1), the mean E relative to the spread of z, the
+candidates per row (mean, quantiles, rows over the kernel's 64) and whether the float64 arg-max
+was always a candidate. research/README.md lists what its runs found.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def tf32(a):
 def fp16_scaled(a):
     """Each row scaled by a power of two (its largest |value| to [2^14, 2^15), exponent within
     +-63), rounded to nearest fp16, values below 2^-14 (scaled) flushed to 0, scaled back: the
-    scaled fp16 copies of the branch next/fp16-pass1 (benchmarks/NOTES.md), as float32."""
+    kernel's scaled fp16 copies, as float32."""
     largest = np.abs(a).max(axis=1, keepdims=True)
     exponent = np.where(largest > 0, 14 - np.floor(np.log2(np.where(largest > 0, largest, 1))), 0)
     scale = np.exp2(np.clip(exponent, -63, 63)).astype(np.float32)
@@ -77,14 +77,13 @@ def int8_rows(a):
     return (np.rint(a / scale) * scale).astype(np.float32)
 
 
-# Pass 1's (x, weight) operand formats: TF32 for both (the kernel's first form); bf16 for both (a
-# tensor-core what-if); a float32 x against a bf16 copy of the weight (a what-if for the small-batch
-# GEMV, which runs on CUDA cores and is bound by reading the weight: half the bytes); TF32 x against
-# a bf16 copy of the weight (a what-if for a TF32 tensor-core pass reading the bf16 copy, whose
-# values TF32 holds exactly: the weight's bytes halved, x's residual term unchanged); fp16 copies of
-# both, each row scaled by a power of two (the kernel's now: fp16 rounds to nearest where the tensor
-# core truncates to TF32, at twice TF32's rate and half its bytes); a float32 x against an int8
-# copy of the weight with a scale per row (a what-if for a small-batch GEMV reading 1 byte per
+# Pass 1's (x, weight) operand formats: fp16 copies of both, each row scaled by a power of two
+# (the kernel's: fp16 rounds to nearest where the tensor core truncates to TF32, at twice TF32's
+# rate and half its bytes). What-ifs: TF32 for both (an earlier form of the kernel); bf16 for both
+# (a faster tensor-core pass); a float32 x against a bf16 copy of the weight (a small-batch GEMV on
+# CUDA cores, bound by reading the weight: half the bytes); TF32 x against a bf16 copy of the
+# weight (a TF32 tensor-core pass reading the bf16 copy, whose values TF32 holds exactly); a
+# float32 x against an int8 copy of the weight with a scale per row (a GEMV reading 1 byte per
 # weight element).
 OPERANDS = {
     "tf32": (tf32, tf32),
@@ -145,7 +144,7 @@ def simulate(batch, in_features, pooled, splits, scale, x_dist, weights, seed,
     rho = gamma(4 * math.ceil(k / 1024) + 13, 2.0**-24)
     e = (1 + g) * operand + g * product + g_sum * np.abs(b) + rho * (product + np.abs(b))
     if partials == "bfloat16":
-        # forward_certified.cuh's step 6: the storage's rounding and the float32 sum of the
+        # The bound's storage term: the partials' rounding to bfloat16 and the float32 sum of the
         # rounded partials.
         g_stored = gamma(s + 1, 2.0**-24)
         e = e + (2.0**-8 + g_stored) * partial_magnitudes + g_stored * np.abs(b)

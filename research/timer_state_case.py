@@ -1,38 +1,47 @@
-"""Three calls in the benchmarks' timer's state, for Nsight Compute to profile the last one.
+"""Where does a kernel stall in the benchmarks' timer's state? Three calls of the forward (or of
+floors.py's streaming read), each after the same 256 MB zero, for Nsight Compute to profile the
+third.
 
     ncu --cache-control none --replay-mode application --clock-control none \
-        --kernel-name regex:tf32x3_wgmma --launch-skip 2 --launch-count 1 \
-        python benchmarks/timer_state_case.py forward 128
-    ncu ... --kernel-name regex:_read_max_kernel ... python benchmarks/timer_state_case.py read 20
+        --kernel-name regex:KERNEL --launch-skip 2 --launch-count 1 \
+        python research/timer_state_case.py forward 128
+    ncu ... --kernel-name regex:_read_max_kernel ... python research/timer_state_case.py read 20
 
+KERNEL is a kernel's name as torch.profiler shows it (benchmarks/profile_forward.py prints them).
 The benchmarks time with triton.testing.do_bench, which zeroes 256 MB before every run: each run
 starts with the L2 full of dirty lines, and every line it loads first evicts one of them (a
 write-back). Nsight Compute's default cache control flushes and invalidates the caches before each
 kernel instead, a cleaner state that hides those write-backs. So this script zeroes the same
 256 MB before each of its three calls, and the command above keeps the caches as they are
 (--cache-control none) and reruns the whole process for every pass (--replay-mode application),
-so that every pass sees the third call after the same zero (NOTES.md, "The same reads in device
-time").
+so that every pass sees the third call after the same zero (research/README.md, "Measuring").
 
 `forward B`: fused_pool_gelu.forward on the benchmarks' data (the folded weights of
 Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B; -K, -N), on the
 path the op picks unless FUSED_POOL_GELU_CERTIFIED / FUSED_POOL_GELU_FORCE_MMA_SYNC say otherwise;
 --prepared passes the weight's prepare_weight copy (float32 only); --dtype bfloat16 / float16 runs
-the model and x in that dtype (the half path: cuBLAS's GEMM, then the epilogue,
-`--kernel-name regex:argmax_epilogue`). `read MB`: floors.py's streaming read of an
-MB-sized float32 buffer (--programs-per-sm, default 4 as in floors.py's line).
+the model and x in that dtype (the half path: cuBLAS's GEMM, then the epilogue). `read MB`:
+floors.py's streaming read of an MB-sized float32 buffer (--programs-per-sm, default 4 as in
+floors.py's line).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-import common
-import floors
 import fused_pool_gelu
-from fused_pool_gelu.timing import l2_flush_buffer
+
+# The benchmarks' data and floors.py's read come from benchmarks/ (scripts, not a package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import common  # noqa: E402
+import floors  # noqa: E402
+
+# The buffer triton.testing.do_bench zeroes before every run.
+FLUSH_BYTES = 256 * 2**20
 
 
 def main(argv=None):
@@ -53,7 +62,7 @@ def main(argv=None):
         p.error("needs a CUDA GPU: torch.cuda.is_available() is False")
 
     device = torch.device("cuda")
-    flush = l2_flush_buffer(device)
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     if args.what == "forward":
         dtype = getattr(torch, args.dtype)
         weight, bias = (t.detach().to(dtype)

@@ -1,14 +1,15 @@
-"""The fused half GEMM experiment (benchmarks/half_gemm_row_max.cu) against cuBLAS and the package.
+"""Does a half-type GEMM with the GELU and row arg-max fused into its epilogue
+(research/half_gemm_row_max.cu) beat cuBLAS's GEMM plus the package's epilogue?
 
 Builds the .cu into a shared library (nvcc, sm_90a), then for each batch size: times cuBLAS's
 GEMM alone (``torch.mm(x, w.t(), out_dtype=torch.float32)``, what the package's half path runs
 before its epilogue), the package's op and each variant of the experiment with
 ``triton.testing.do_bench`` (L2 flushed, median), and checks every variant against the op: the
 same arg-max in every row, the output's largest relative difference, and both outputs' error
-against float64. Needs an H200-class GPU (sm_90a), nvcc, triton and the installed package.
-Measured on 2026-12-01 (benchmarks/NOTES.md, the fused-GEMM version row).
+against float64. Needs an H100 / H200-class GPU (sm_90a), nvcc, triton and the installed package.
+What it measured: research/README.md.
 
-    python benchmarks/half_gemm_row_max.py --batches 2048 4096 --variants 0 4 5
+    python research/half_gemm_row_max.py --batches 2048 4096 --variants 0 4 5
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import subprocess
 import tempfile
 
 import torch
-import torch.utils.cpp_extension
 import triton.testing
 
 import fused_pool_gelu  # noqa: F401  (registers torch.ops.fused_pool_gelu)
@@ -42,14 +42,11 @@ BLOCK_N = 128  # the experiment's column tile
 def build(out_dir):
     library = os.path.join(out_dir, "libhalf_gemm_row_max.so")
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    # The package's headers (its GEMMs' mbarrier / TMA / wgmma helpers, torch.max's rule) include
-    # ATen's: torch's include paths and ABI, as setup.py builds them.
-    includes = [os.path.join(HERE, "..", "csrc"), *torch.utils.cpp_extension.include_paths()]
+    # csrc/ for argmax_band.h, the package's band rule that the kernel's epilogue applies.
     subprocess.run(
         [nvcc, "-O3", "-std=c++20", "--expt-relaxed-constexpr",
-         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-         "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
-         *(f"-I{path}" for path in includes), "-o", library, SOURCE],
+         "-gencode=arch=compute_90a,code=sm_90a", "-shared",
+         "-Xcompiler", "-fPIC", f"-I{os.path.join(HERE, '..', 'csrc')}", "-o", library, SOURCE],
         check=True,
     )
     lib = ctypes.CDLL(library)

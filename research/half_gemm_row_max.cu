@@ -1,22 +1,23 @@
-// An experiment kept for whoever takes it up again (benchmarks/NOTES.md, the version row "the half
-// path's own GEMM with the GELU and row max fused"; not part of the package): a bfloat16 / float16
-// TMA + wgmma GEMM whose epilogue takes each row's arg-max of scale * gelu(z + bias) over its
-// 128-column tile (argmax_band.h's band, torch.max's rule), then a kernel that combines the tiles.
-// The question was whether it beats cuBLAS's GEMM plus our epilogue (the package's half path) at
-// B >= 2048, N = 512, K = 8192 on the H200. Measured 2026-12-01: correct, but its tensor pipe was
-// 61% busy against cuBLAS's kernel's 83% (Nsight Compute), so it lost by ~2.7 us at 4096 rows.
+// Can a half-type GEMM of our own, with the GELU and each row's arg-max fused into its epilogue,
+// beat cuBLAS's GEMM plus the package's epilogue (the half path) at B >= 2048, N = 512, K = 8192?
+// Not part of the package; research/README.md has what it measured (correct in every row, but
+// its tensor pipe busy 61% of the time against cuBLAS's kernel's 83%) and where to start if this is
+// taken up again.
 //
-// CTA tile 128 x rows x 128 weight rows, K tiles of 64 (one 128-byte swizzle row of a half type),
-// 384 threads: one producer thread issuing TMA boxes into a ring of stages, two consumer
-// warpgroups on 64 x rows each with m64n128k16 wgmmas reading both operands from shared memory,
-// one wgmma group in flight. Variants (half_gemm_row_max's `variant`): 0: 6 stages of 32 KB;
-// 1: K tiles of 128 (two boxes), 3 stages; 2: 4 stages; 3: K tiles of 128, 2 stages; 4: 7 stages;
-// 5 / 6: 6 / 7 stages in clusters of two n tiles, each CTA loading half of the shared x tile into
-// both (multicast) and releasing a stage in both.
+// A bfloat16 / float16 TMA + wgmma GEMM whose epilogue takes each row's arg-max of
+// scale * gelu(z + bias) over its 128-column tile (argmax_band.h's band, torch.max's rule), then a
+// kernel that combines the tiles. CTA tile 128 x rows x 128 weight rows, K tiles of 64 (one
+// 128-byte swizzle row of a half type), 384 threads: one producer thread issuing TMA boxes into a
+// ring of stages, two consumer warpgroups on 64 x rows each with m64n128k16 wgmmas reading both
+// operands from shared memory, one wgmma group in flight. Variants (half_gemm_row_max's
+// `variant`): 0: 6 stages of 32 KB; 1: K tiles of 128 (two boxes), 3 stages; 2: 4 stages; 3: K
+// tiles of 128, 2 stages; 4: 7 stages; 5 / 6: 6 / 7 stages in clusters of two n tiles, each CTA
+// loading half of the shared x tile into both (multicast) and releasing a stage in both.
 //
 // x [rows, K] and the weight [n, K] contiguous, K a multiple of 8 (TMA's 16-byte row stride).
-// Built by benchmarks/half_gemm_row_max.py (nvcc, sm_90a, with csrc/ and torch's include paths:
-// the package's headers include ATen's), which times it against cuBLAS and the package.
+// Built by research/half_gemm_row_max.py (nvcc, sm_90a, csrc/ on the include path for
+// argmax_band.h, the one package header it uses: the rule under test), which times it against
+// cuBLAS and the package and checks the arg-max of every row.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -30,19 +31,48 @@
 #include <type_traits>
 
 #include "argmax_band.h"
-#include "cuda/common.cuh"             // gelu
-#include "cuda/forward_gemm_sm90.cuh"  // the mbarrier, TMA and wgmma helpers of the package's GEMMs
-#include "cuda/row_max.cuh"            // torch.max's rule: beats, Candidate
 
 namespace fused_half_gemm {
 
 constexpr int kBlockM = 128;
 constexpr int kBlockK = 64;  // 128 bytes of a half type: one swizzle row
-// One producer warpgroup and two consumer warpgroups, as the package's wgmma GEMMs (whose
-// consumer_barrier counts on it).
-constexpr int kThreads = fused_pool_gelu::cuda::forward_gemm::kWgThreads;
-constexpr int kConsumerWarps = fused_pool_gelu::cuda::forward_gemm::kWgConsumerWarps;
+// One producer warpgroup and two consumer warpgroups, as the package's wgmma GEMMs.
+constexpr int kConsumerWarps = 8;
+constexpr int kThreads = 128 + 32 * kConsumerWarps;
 constexpr int kRingBytes = 192 * 1024;
+
+// Copies of the package's device helpers (its GEMMs' and epilogue's), so that this file builds
+// on its own whatever the package's sources become.
+
+// Exact (erf) GELU, as torch computes it.
+__device__ __forceinline__ float gelu(float z) {
+  return 0.5f * z * (1.f + erff(z * 0.70710678118654752440f));
+}
+
+// Does candidate a beat candidate b under torch.max's rule? NaN beats every number; between two
+// NaNs, or two equal numbers, the smaller index wins.
+__device__ __forceinline__ bool beats(float va, int64_t ia, float vb, int64_t ib) {
+  const bool a_nan = isnan(va);
+  const bool b_nan = isnan(vb);
+  if (a_nan || b_nan) return a_nan && (!b_nan || ia < ib);
+  return va > vb || (va == vb && ia < ib);
+}
+
+struct Candidate {
+  float value;
+  int64_t index;  // the column; the sentinel n (loses to every real column) when empty
+  float z;
+
+  __device__ __forceinline__ void take_if_better(const Candidate& o) {
+    if (beats(o.value, o.index, value, index)) *this = o;
+  }
+  __device__ __forceinline__ Candidate shfl_xor(int mask) const {
+    return Candidate{__shfl_xor_sync(0xffffffffu, value, mask),
+                     static_cast<int64_t>(__shfl_xor_sync(
+                         0xffffffffu, static_cast<long long>(index), mask)),
+                     __shfl_xor_sync(0xffffffffu, z, mask)};
+  }
+};
 
 template <int kBlockN, int kBoxes = 1, int kRing = kRingBytes>
 struct Tile {
@@ -58,10 +88,73 @@ struct Tile {
   static constexpr int kAccum = kBlockN / 2;
 };
 
-using namespace fused_pool_gelu::cuda;
-using namespace fused_pool_gelu::cuda::forward_gemm;
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format") of a K-major tile of
+// 128-byte rows in the 128-byte swizzle: start address >> 4, leading byte offset 1 (unused),
+// stride byte offset 1024 >> 4 (the next group of 8 rows), swizzle mode 1 (128 B).
+__device__ __forceinline__ uint64_t swizzled_tile_descriptor(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Named barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads').
+__device__ __forceinline__ void consumer_barrier() {
+  asm volatile("bar.sync 1, %0;" ::"n"(32 * kConsumerWarps) : "memory");
+}
+// mbarriers in shared memory: arrive releases and try_wait acquires at CTA scope.
+__device__ __forceinline__ void mbarrier_init(uint32_t barrier, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(barrier) : "memory");
+}
+// Waits until the phase with this parity (0, 1, 0, ... for uses 0, 1, 2, ...) has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(barrier),
+      "r"(parity)
+      : "memory");
+}
+// Barrier inits visible to the async proxy (the TMA unit) before it completes on them.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier),
+               "r"(bytes)
+               : "memory");
+}
+// Box (coordinates: K, row) of a 2-D tensor map into shared memory, completing on `barrier`.
+__device__ __forceinline__ void tma_load(uint32_t destination, const CUtensorMap* map, int32_t k,
+                                         int32_t row, uint32_t barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(destination),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(barrier)
+      : "memory");
+}
+// Moves this warpgroup's per-thread register allocation to kCount (all its warps must execute it).
+template <bool kIncrease, int kCount>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (kIncrease) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kCount));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kCount));
+  }
+}
 
 // The cluster pieces the package's kernels do not use.
 __device__ __forceinline__ void tma_load_multicast(uint32_t dst, const CUtensorMap* map, int32_t k,
@@ -87,7 +180,7 @@ __device__ __forceinline__ void mbarrier_arrive_remote(uint32_t b, uint32_t rank
       "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(b), "r"(rank)
       : "memory");
 }
-// forward_gemm_sm90.cuh waits for all groups; the pipeline here keeps one in flight.
+// The pipeline keeps one wgmma group in flight.
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
