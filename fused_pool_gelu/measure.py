@@ -1,13 +1,51 @@
-"""Timers shared by `python -m fused_pool_gelu` and benchmarks/: medians, L2 flushed on CUDA.
+"""How `python -m fused_pool_gelu` and benchmarks/ measure: accuracy against the reference, the
+training step they time, and the timers.
 
-On CUDA, triton.testing.do_bench (L2 flushed before each run, as KernelBench times); without
-triton, the same procedure with torch's CUDA events. On the CPU, a median of wall-clock runs.
+Accuracy: the relative error ||out - ref64|| / ||ref64|| against a float64 run of Model, the max
+abs error, and the allclose tolerance against Model run in the same dtype. Timers: medians; on
+CUDA triton.testing.do_bench (L2 flushed before each run, as KernelBench times), without triton
+the same procedure with torch's CUDA events; on the CPU, a median of wall-clock runs.
+torch is imported inside the functions that need it.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+# The contract's tolerance (atol = rtol) against the reference Model run in the same dtype.
+ALLCLOSE_TOL = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+def relative_error(out, ref64) -> float:
+    """||out - ref64|| / ||ref64|| (2-norms over all elements; ||out - ref64|| where ref64 is 0)."""
+    diff = (out.detach().double() - ref64).norm().item()
+    ref_norm = ref64.norm().item()
+    return diff / ref_norm if ref_norm > 0 else diff
+
+
+def max_abs_error(out, ref) -> float:
+    """max |out - ref|, in float64 (0.0 for empty tensors)."""
+    if out.numel() == 0:
+        return 0.0
+    return (out.detach().double() - ref.detach().double()).abs().max().item()
+
+
+def training_step(forward, x, params):
+    """The training step both time: the grads of params and x set to None, then
+    forward(x).sum().backward(). Returns the step as a function that returns forward's output."""
+    tensors = list(params) + [x]
+
+    def step():
+        for t in tensors:
+            t.grad = None
+        out = forward(x)
+        out.sum().backward()
+        return out
+
+    return step
 
 
 def make_timer(device, warmup_ms: float, rep_ms: float):
