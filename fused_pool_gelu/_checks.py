@@ -149,8 +149,8 @@ def check_forward_inputs(x, weight, bias, op="forward", weight_name="weight"):
 
 
 def _check_batch_vectors(op, x, optional=(), **vectors):
-    # On x's device; argmax int64, the others x's dtype. Those
-    # named in `optional` may be None.
+    # 1-D [batch] on x's device; argmax int64, the others x's dtype. Those named in `optional`
+    # may be None.
     batch = x.shape[0]
     for name, t in vectors.items():
         if name not in optional:

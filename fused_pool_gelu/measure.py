@@ -34,8 +34,8 @@ def max_abs_error(out, ref) -> float:
 
 
 def training_step(forward, x, params):
-    """The training step both time: the grads of params and x set to None, then
-    forward(x).sum().backward(). Returns the step as a function that returns forward's output."""
+    """The training step that __main__.py and the benchmarks time: the grads of params and x set
+    to None, then forward(x).sum().backward(). Returns it as a function returning forward(x)."""
     tensors = list(params) + [x]
 
     def step():
