@@ -1,6 +1,6 @@
 """Forward (inference) benchmark: every impl in one process, under torch.no_grad().
 
-    python benchmarks/bench_forward.py                 # H200: B in {1,16,128,1024,4096}, K=O=8192
+    python benchmarks/bench_forward.py                 # B in {1,16,128,1024,4096}, K=O=8192
     python benchmarks/bench_forward.py --skip-compile  # no torch.compile peers (fast)
     python benchmarks/bench_forward.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile
     python benchmarks/bench_forward.py --out r.json    # the rows as JSON too
@@ -12,7 +12,7 @@ Impls (weights from torch.manual_seed(seed); Model(K, O, k, s), the same for all
   fold_eager    F.linear on pre-folded pooled weights + gelu * s + max (PyTorch ops)
   fold_compile  torch.compile of that function
   fold_tail     cuBLAS addmm on the pooled weights + one Triton kernel for gelu * s + row max
-                (BASELINE.md's "fold + tiny CUDA tail kernel" peer; CUDA only)
+                (the "fold + tiny CUDA tail kernel" peer; CUDA only)
   ours_op       torch.ops.fused_pool_gelu.forward on pre-folded weights (fused_pool_gelu.fold)
                 and the pooled weight's prepare_weight copy, both made once
   ours_model    fused_pool_gelu.ModelNew (eager; the fold and its prepared copy are cached
@@ -32,6 +32,7 @@ import time
 import torch
 
 import common
+from fused_pool_gelu.measure import ALLCLOSE_TOL
 
 RUN_ORDER = [
     "ref_eager", "fold_eager", "fold_tail", "ours_op", "ours_model", "fold_compile", "ref_compile"
@@ -146,7 +147,7 @@ def measure(ctx, fn, x, ref, time_us):
     out = call()  # the steady-state path, the one timed, is the one checked
     common.synchronize(ctx.device)
     row = common.error_metrics(out, ref["out64"])
-    tol = common.ALLCLOSE_TOL[ctx.args.dtype]
+    tol = ALLCLOSE_TOL[ctx.args.dtype]
     row["allclose_ref"] = bool(
         torch.allclose(out.to(ref["out_ref"].dtype), ref["out_ref"], atol=tol, rtol=tol)
     )

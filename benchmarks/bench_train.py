@@ -1,6 +1,6 @@
 """Training-step benchmark: every impl in one process.
 
-    python benchmarks/bench_train.py                   # H200: B in {1,16,128,1024,4096}, K=O=8192
+    python benchmarks/bench_train.py                   # B in {1,16,128,1024,4096}, K=O=8192
     python benchmarks/bench_train.py --skip-compile
     python benchmarks/bench_train.py --device cpu --batches 1 16 -K 512 -O 512 --skip-compile
     python benchmarks/bench_train.py --out r.json      # the rows as JSON too
@@ -35,6 +35,7 @@ import time
 import torch
 
 import common
+from fused_pool_gelu.measure import ALLCLOSE_TOL, training_step
 
 RUN_ORDER = ["ref_eager", "fold_eager", "ours_model", "fold_compile", "ref_compile"]
 IMPLS = [i for i in common.IMPL_ORDER if i in RUN_ORDER]
@@ -133,13 +134,7 @@ def measure(ctx, impl, x, ref, time_us):
     device = ctx.device
     x_leaf = ctx.mark_batch_dynamic(x.detach().clone()).requires_grad_(True)
     tensors = impl.params + [x_leaf]
-
-    def step():
-        for t in tensors:
-            t.grad = None
-        out = impl.forward(x_leaf)
-        out.sum().backward()
-        return out
+    step = training_step(impl.forward, x_leaf, impl.params)
 
     t0 = time.perf_counter()
     step()  # compiles (compile peers)
@@ -169,7 +164,7 @@ def measure(ctx, impl, x, ref, time_us):
         out = call()  # the replay's output and gradients are the ones checked
         torch.cuda.synchronize(device)
     row.update(common.error_metrics(out, ref["out64"]))
-    tol = common.ALLCLOSE_TOL[ctx.args.dtype]
+    tol = ALLCLOSE_TOL[ctx.args.dtype]
     row["allclose_ref"] = bool(
         torch.allclose(out.detach().to(ref["out_ref"].dtype), ref["out_ref"], atol=tol, rtol=tol)
     )

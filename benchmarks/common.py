@@ -64,14 +64,13 @@ X_DISTRIBUTIONS = ("rand", "randn")
 LAUNCHES = ("eager", "graph")
 
 # A float32 row counts as "float32-accurate" (is_accurate) when its relative error against float64,
-# and in training each gradient's, is at most this. Float32 cuBLAS/compile peers measure ~3e-7 at
-# the default shape (gradients ~1e-7); single-pass TF32 measures ~1e-4 (BASELINE.md).
+# and in training each gradient's, is at most this: above float32 GEMMs' ~3e-7 at the default shape
+# (gradients ~1e-7), below single-pass TF32's ~1e-4.
 ACCURATE_REL_ERR = 1e-5
 
-# The contract's tolerance against the reference run in the same dtype.
+# fused_pool_gelu.measure.ALLCLOSE_TOL (which the benchmarks check with), restated for plot.py's
+# notes, which run without torch.
 ALLCLOSE_TOL = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
-
-DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 # The error field of a row a run did not measure (past its --deadline-s).
 SKIPPED = "skipped"
@@ -402,10 +401,10 @@ def free_memory(device) -> None:
 
 
 def cuda_graph_call(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn captured as a CUDA graph (fused_pool_gelu.timing.capture_cuda_graph); returns a callable
+    """fn captured as a CUDA graph (fused_pool_gelu.measure.capture_cuda_graph); returns a callable
     that replays the graph and returns the output tensor the capture made, which every replay
     overwrites."""
-    from fused_pool_gelu.timing import capture_cuda_graph
+    from fused_pool_gelu.measure import capture_cuda_graph
 
     graph, out = capture_cuda_graph(fn)
 
@@ -429,7 +428,7 @@ def kernel_device_times(fn: Callable[[], None], calls: int,
     time does not, and the own times of one call add up to its device span."""
     import torch
 
-    from fused_pool_gelu.timing import l2_flush_buffer
+    from fused_pool_gelu.measure import l2_flush_buffer
 
     flush = l2_flush_buffer()
     for _ in range(warmup):
@@ -517,21 +516,20 @@ def write_profile(path: Optional[str], rows: List[dict]) -> None:
 
 
 def error_metrics(out, ref64) -> dict:
-    """rel_err_fp64 = ||out - ref64|| / ||ref64|| (2-norm over all elements), max_abs_err."""
-    diff = out.detach().double() - ref64
-    ref_norm = ref64.norm().item()
-    diff_norm = diff.norm().item()
-    rel = diff_norm / ref_norm if ref_norm > 0 else diff_norm
-    max_abs = diff.abs().max().item() if diff.numel() else 0.0
-    return {"rel_err_fp64": finite_or_none(rel), "max_abs_err": finite_or_none(max_abs)}
+    """A row's rel_err_fp64 (||out - ref64|| / ||ref64||) and max_abs_err; None where not finite."""
+    from fused_pool_gelu.measure import max_abs_error, relative_error
+
+    return {"rel_err_fp64": finite_or_none(relative_error(out, ref64)),
+            "max_abs_err": finite_or_none(max_abs_error(out, ref64))}
 
 
 def rel_err(a, ref64) -> Optional[float]:
+    """relative_error of a gradient; None where either is missing or the error is not finite."""
     if a is None or ref64 is None:
         return None
-    diff = (a.detach().double() - ref64).norm().item()
-    ref_norm = ref64.norm().item()
-    return finite_or_none(diff / ref_norm if ref_norm > 0 else diff)
+    from fused_pool_gelu.measure import relative_error
+
+    return finite_or_none(relative_error(a, ref64))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,6 +537,8 @@ def rel_err(a, ref64) -> Optional[float]:
 
 
 def parse_args(mode: str, impl_choices: List[str], default_deadline_s: float, argv=None):
+    from fused_pool_gelu.measure import DTYPES
+
     p = argparse.ArgumentParser(
         description=f"fused_pool_gelu {mode} benchmark: all impls timed in one process.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -717,7 +717,7 @@ def run_benchmark(
         log(f"float32 matmul precision: {matmul_precision}"
             + (" (no TF32 in the peers' cuBLAS calls)" if matmul_precision == "highest" else
                " (TF32 allowed: float32 peers may fail the accuracy check)"), start)
-    from fused_pool_gelu.timing import make_timer
+    from fused_pool_gelu.measure import make_timer
 
     time_us, timer_desc = make_timer(device, args.warmup, args.rep)
     log(f"timer: {timer_desc}; warmup {args.warmup:g} ms, rep {args.rep:g} ms", start)

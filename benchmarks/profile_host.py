@@ -4,17 +4,16 @@
     python benchmarks/profile_host.py --batches 1024 --rounds 5
 
 An eager step is as long as its GPU work only while the host issues the kernels ahead of the GPU;
-on a slow host (the H200 machine's CPU) it is bound by the host instead (benchmarks/NOTES.md). This
-script measures the host side alone: the wall time of each call on the host (time.perf_counter
-around the call, no synchronization inside the timed region; the device is synchronized every
-`--sync-every` calls so that the launch queue never fills and blocks a call), median and minimum
-over `--calls` calls, for
+on a slow host it is bound by the host instead. This script measures the host side alone: the
+wall time of each call on the host (time.perf_counter around the call, no synchronization inside
+the timed region; the device is synchronized every `--sync-every` calls so that the launch queue
+never fills and blocks a call), median and minimum over `--calls` calls, for
   - the ops one by one (fold, forward_with_argmax, model_forward, model_backward, forward_backward,
     fold_backward) at B = 1024, and a plain `torch.add` of the pooled weight's size for scale;
   - the parts of bench_train.py's step for ours_model: grads set to None, ModelNew's forward,
     out.sum(), and backward() (which includes the autograd engine's hand-off to its device thread
     and back; model_backward is a part of it).
-The host's speed drifts between runs (up to ~1.8x on the H200 machine): compare versions
+The host's speed drifts between runs (up to ~1.8x on a shared machine): compare versions
 interleaved in one session, round by round (`--rounds`).
 Shape: the default, K = O = 8192, k = 16, scale 2.
 """

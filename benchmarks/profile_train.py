@@ -7,12 +7,10 @@ One step as bench_train.py times it for ours_model: grads set to None, ModelNew 
 fused forward), out.sum().backward() into weight, bias and x. Prints every kernel the step launches
 with its own time / device time (common.kernel_device_times: a programmatic dependent launch's
 device time holds its wait for the kernel before it, its own time does not), the sum of the own
-times, the step's median (fused_pool_gelu.timing, as bench_train.py) and the median of the same
+times, the step's median (fused_pool_gelu.measure, as bench_train.py) and the median of the same
 step replayed as a CUDA graph (the step's GPU work without its host time; captured, ModelNew takes
-its eager training path since commit 93ec369, before which the replays ran fold + forward and their
-backward, forward_backward + fold_backward). The eager median is
-host-bound on a slow host (on the H200 machine at B = 1024, 226.6-338.3 us between runs: README):
-read this script for the kernels and the GPU work, bench_train.py for the step's time.
+its eager training path). The eager median is host-bound on a slow host, where it varies from run
+to run: read this script for the kernels and the GPU work, bench_train.py for the step's time.
 Shape: the default, K = O = 8192, k = 16, scale 2.
 """
 
@@ -22,7 +20,7 @@ import torch
 
 import common
 import fused_pool_gelu
-from fused_pool_gelu.timing import capture_cuda_graph, make_timer
+from fused_pool_gelu.measure import capture_cuda_graph, make_timer, training_step
 
 
 def profile(batch, in_features, out_features, pool, calls, x_distribution):
@@ -35,10 +33,7 @@ def profile(batch, in_features, out_features, pool, calls, x_distribution):
     x = common.benchmark_x(batch, in_features, "cuda", distribution=x_distribution)
     x.requires_grad_()
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        model(x).sum().backward()
+    step = training_step(model, x, model.parameters())
 
     time_us, _ = make_timer(torch.device("cuda"), warmup_ms=100, rep_ms=500)
     kernels = common.kernel_device_times(step, calls)

@@ -28,13 +28,9 @@ import torch.nn.functional as F
 import fused_pool_gelu
 from fused_pool_gelu import Model, ModelNew
 
-# Default tolerance on the relative loss difference, per precision. float32: both models compute
-# the same function and differ only in rounding (folded vs unfolded GEMM): about 1e-6 measured.
-# bf16 autocast: both models compute in bf16 (fused_pool_gelu's ops have autocast kernels, like
-# nn.Linear's), but round in different places: Model rounds each of the O GEMM outputs to bf16 and
-# pools, applies GELU and scales in bf16; ModelNew casts the folded weight to bf16, accumulates in
-# float32 and rounds once. That is ~4e-3 per output (8-bit mantissa), which an MSE of outputs close
-# to their targets magnifies: 6e-3 median, 6e-2 worst step measured over 200 default CPU steps.
+# Tolerance on the relative loss difference, per precision. float32: the models differ only in
+# rounding (folded vs unfolded GEMM), ~1e-6. amp: both compute in bf16 but round in different
+# places, ~4e-3 per output, which the MSE magnifies (6e-2 at worst over 200 default CPU steps).
 DEFAULT_TOLERANCE = {"float32": 1e-4, "amp": 0.1}
 PROGRESS_BAR_WIDTH = 20
 
@@ -191,10 +187,9 @@ def main(argv=None):
         return train(args, device, rank, world_size)
     finally:
         if args.ddp:
-            # train()'s DDP models, whose reducers hold the process group, are gone by now, so the
-            # group's last references go here and not at interpreter exit, where a gloo rank once
-            # aborted ("terminate called without an active exception", after its results were
-            # printed) while tearing its worker threads down.
+            # train()'s DDP models, whose reducers hold the process group, are gone by now: the
+            # group's last references go here, not at interpreter exit, where a gloo rank tearing
+            # its worker threads down can abort ("terminate called without an active exception").
             gc.collect()
             dist.destroy_process_group()
 

@@ -21,6 +21,8 @@ except ImportError as error:  # pragma: no cover - exercised by tests/test_build
         "source tree, run from another directory so that the installed package is imported."
     ) from error
 
+# The ops' fake kernels, autograd formulas and autocast kernels register themselves on import.
+from . import _autocast, _autograd, _fake  # noqa: F401
 from . import ops
 from .model import Model, ModelNew
 from .ops import fold, forward, forward_with_argmax, prepare_weight

@@ -9,9 +9,9 @@ The check: max abs error and torch.allclose(atol=rtol=1e-4 in float32) of ModelN
 Model, and of the gradients of weight, bias and x; the relative error ||out - ref64|| / ||ref64||
 of both against a float64 run of Model with the same weights. Exit status 1 when the check fails.
 
-Timing: triton.testing.do_bench(..., return_mode="median") on CUDA (L2 flushed before each run;
-a CUDA-event timer doing the same when triton is missing), the median of repeated
-time.perf_counter() runs on the CPU. Needs torch only.
+Timing: fused_pool_gelu.measure's timers, as benchmarks/ time: triton.testing.do_bench(...,
+return_mode="median") on CUDA (L2 flushed before each run; a CUDA-event timer doing the same when
+triton is missing), the median of repeated time.perf_counter() runs on the CPU. Needs torch only.
 """
 
 from __future__ import annotations
@@ -23,10 +23,15 @@ import sys
 
 import torch
 
-from fused_pool_gelu.timing import make_timer
+from fused_pool_gelu.measure import (
+    ALLCLOSE_TOL,
+    DTYPES,
+    make_timer,
+    max_abs_error,
+    relative_error,
+    training_step,
+)
 
-DTYPES = ("float32", "float64", "bfloat16", "float16")
-TOLERANCE = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
 # In half precision many pooled features round to the same value, so the arg-max (and with it a
 # whole row of the gradient) legitimately differs between implementations: gradients are
 # compared for information only there.
@@ -131,33 +136,13 @@ def _progress(message):
     print(f"  {message} ...", flush=True)
 
 
-def _rel_err(out, ref64):
-    diff = (out.detach().double() - ref64).norm().item()
-    ref_norm = ref64.norm().item()
-    return diff / ref_norm if ref_norm > 0 else diff
-
-
-def _max_abs(a, b):
-    if a.numel() == 0:
-        return 0.0
-    return (a.detach().double() - b.detach().double()).abs().max().item()
-
-
 def _fmt_us(us):
     return f"{us / 1e3:9.2f} ms" if us >= 1e4 else f"{us:9.1f} us"
 
 
 def _train_step(model, x):
-    params = list(model.parameters()) + [x]
-
-    def step():
-        for t in params:
-            t.grad = None
-        out = model(x)
-        out.sum().backward()
-        return out
-
-    return step
+    """The training step of a module: gradients of its parameters and x."""
+    return training_step(model, x, model.parameters())
 
 
 def _check_forward(model, new, x, tol):
@@ -167,14 +152,14 @@ def _check_forward(model, new, x, tol):
     with torch.no_grad():
         ref = model(x)
         out = new(x)
-    max_abs = _max_abs(out, ref)
+    max_abs = max_abs_error(out, ref)
     close = bool(torch.allclose(out, ref, atol=tol, rtol=tol))
     _progress("building float64 reference")
     model64 = copy.deepcopy(model).to(torch.float64)
     with torch.no_grad():
         ref64 = model64(x.double())
     del model64
-    rel_ref, rel_new = _rel_err(ref, ref64), _rel_err(out, ref64)
+    rel_ref, rel_new = relative_error(ref, ref64), relative_error(out, ref64)
     print(f"  ModelNew vs Model: max abs error {max_abs:.2e}, "
           f"allclose(atol=rtol={tol:.0e}): {'yes' if close else 'NO'}")
     print(f"  relative error ||out - ref64|| / ||ref64|| against float64: "
@@ -192,7 +177,7 @@ def _check_train(model, new, x, tol, strict):
     out_ref = _train_step(model, x_ref)()
     out_new = _train_step(new, x_new)()
     close = bool(torch.allclose(out_new.detach(), out_ref.detach(), atol=tol, rtol=tol))
-    print(f"  output       max abs error {_max_abs(out_new, out_ref):.2e}, "
+    print(f"  output       max abs error {max_abs_error(out_new, out_ref):.2e}, "
           f"allclose(atol=rtol={tol:.0e}): {'yes' if close else 'NO'}")
     if not close:
         failures.append("output of the training step not allclose to Model")
@@ -207,7 +192,7 @@ def _check_train(model, new, x, tol, strict):
             failures.append(f"gradient of {name} missing")
             continue
         ok = bool(torch.allclose(got, want, atol=tol, rtol=tol))
-        print(f"  grad {name:<7} max abs error {_max_abs(got, want):.2e}, "
+        print(f"  grad {name:<7} max abs error {max_abs_error(got, want):.2e}, "
               f"allclose(atol=rtol={tol:.0e}): {'yes' if ok else 'NO'}")
         if not ok:
             failures.append(f"gradient of {name} not allclose to Model")
@@ -288,7 +273,7 @@ def _check_and_time(args, device) -> int:
               "that at least one pooled feature exists", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
-    tol = TOLERANCE[args.dtype]
+    tol = ALLCLOSE_TOL[args.dtype]
     B, K, O, k, s = args.batch, args.in_features, args.out_features, args.pool, args.scale
 
     if device.type == "cuda":

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from . import ops
+from ._autocast import autocast_cast
 from .model import (
     Model,
     ModelNew,
@@ -90,7 +91,7 @@ class _ShardedFusedMax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pooled_weight, pooled_bias, scale, first_group, group):
-        # Under autocast the op computes in the autocast dtype (ops.autocast_cast's rule): cast
+        # Under autocast the op computes in the autocast dtype (autocast_cast's rule): cast
         # here, so that the backward gets the tensors the op saw, and its gradients go back to the
         # inputs' dtypes.
         device_type = x.device.type
@@ -99,7 +100,7 @@ class _ShardedFusedMax(torch.autograd.Function):
         ctx.input_dtypes = (x.dtype, pooled_weight.dtype,
                             None if pooled_bias is None else pooled_bias.dtype)
         x, pooled_weight, pooled_bias = (
-            ops.autocast_cast(t, dtype) for t in (x, pooled_weight, pooled_bias))
+            autocast_cast(t, dtype) for t in (x, pooled_weight, pooled_bias))
         local_out, local_argmax, local_pre = torch.ops.fused_pool_gelu.forward_with_argmax(
             x, pooled_weight, pooled_bias, scale
         )

@@ -10,12 +10,10 @@ the single-process gradients of out.mean() over the whole batch.
 It runs as a script (torch.multiprocessing.spawn needs an importable entry point, which the test
 modules are not under pytest's importlib import mode).
 
-Teardown: a gloo rank of this test aborted once in CI after its work ("terminate called without an
-active exception", rank 0, 2026-12-01), as a rank of examples/train.py's DDP run had before; neither
-reproduced in about 100 local runs. So the rendezvous is a file store (no TCP store server thread in
-rank 0, no port to race for), the DDP objects, whose reducer holds the group, are gone before the
-group is destroyed, and the ranks meet at a barrier first, so that neither tears down while the
-other still communicates.
+Teardown: a gloo rank can abort after its work ("terminate called without an active exception")
+when it tears down while the other still communicates. So the rendezvous is a file store (no TCP
+store server thread in rank 0, no port to race for), the DDP objects, whose reducer holds the
+group, are gone before the group is destroyed, and the ranks meet at a barrier first.
 """
 
 import os

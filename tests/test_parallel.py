@@ -200,9 +200,9 @@ def nan_rows_go_to_the_first_nan_and_send_it_the_gradient(device, dtype):
 
 @scenario
 def autocast_forward_and_gradients_match_model_new(device, dtype):
-    # Under bfloat16 autocast the op computes in bfloat16 (ops.autocast_cast): the shards' output
-    # is bfloat16 like ModelNew's, and the backward, which sees the cast tensors, returns float32
-    # gradients for the float32 parameters and x.
+    # Under bfloat16 autocast the op computes in bfloat16 (_autocast.autocast_cast): the shards'
+    # output is bfloat16 like ModelNew's, and the backward, which sees the cast tensors, returns
+    # float32 gradients for the float32 parameters and x.
     _, full = _models(torch.float32, device)
     tp = TensorParallelPoolGelu.from_module(full)
     x, grad_out = _inputs(torch.float32, device)
@@ -379,7 +379,7 @@ def _worker(rank, world_size, backend, result_dir):
     wait in a collective until the timeout, and anything after that would be out of step).
 
     The rendezvous is a file store: no TCP store server thread in rank 0 and no port to race for
-    (a gloo rank of test_model.py's DDP test aborted once at teardown in CI with a TCP store).
+    (with a TCP store a gloo rank can abort at teardown: _ddp_worker.py).
     """
     torch.set_num_threads(1)
     if backend == "nccl":
