@@ -28,6 +28,8 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
 DEFAULT_ARCH_LIST = "8.0;9.0a"
+# Sources compiled for sm_90a only (wgmma kernels).
+SM90A_SUFFIX = "_sm90a.cu"
 
 
 def _version() -> str:
@@ -156,7 +158,12 @@ def _extension():
     ]
     # DEBUG: device debug info without device optimisation (cuda-gdb, compute-sanitizer lines).
     nvcc_flags += ["-g", "-G"] if debug else ["-lineinfo"]
-    sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc" / "cuda").glob("*.cu"))]
+    # The *_sm90a.cu units hold only Hopper's wgmma kernels: compiled for sm_90a alone (BuildExtension
+    # below), and left out of builds whose arch list lacks 9.0a.
+    cuda_sources = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
+    if not _has_sm90a(archs):
+        cuda_sources = [p for p in cuda_sources if not p.name.endswith(SM90A_SUFFIX)]
+    sources += [str(p.relative_to(ROOT)) for p in cuda_sources]
     return CUDAExtension(
         "fused_pool_gelu._C",
         sources,
@@ -171,7 +178,34 @@ def _extension():
 def _build_ext():
     from torch.utils.cpp_extension import BuildExtension
 
-    return BuildExtension.with_options(no_python_abi_suffix=True)
+    class BuildExtensionWithSm90a(BuildExtension):
+        """BuildExtension that compiles the *_sm90a.cu sources for sm_90a alone.
+
+        torch's ninja build gives every source the same flags (the TORCH_CUDA_ARCH_LIST targets);
+        the Hopper-only units would compile to empty kernels for every other target. They are
+        compiled first, in a ninja run of their own whose nvcc flags name the one target (torch
+        adds no arch flags where the flags already hold one), and linked in as objects.
+        """
+
+        def build_extension(self, ext):
+            hopper = [s for s in ext.sources if s.endswith(SM90A_SUFFIX)]
+            if hopper:
+                ext.sources = [s for s in ext.sources if s not in hopper]
+                flags = dict(ext.extra_compile_args)
+                flags["nvcc"] = list(flags["nvcc"]) + ["-gencode=arch=compute_90a,code=sm_90a"]
+                objects = self.compiler.compile(
+                    hopper,
+                    output_dir=os.path.join(self.build_temp, "sm90a"),
+                    macros=ext.define_macros,
+                    include_dirs=ext.include_dirs,
+                    debug=self.debug,
+                    extra_postargs=flags,
+                    depends=ext.depends,
+                )
+                ext.extra_objects = list(ext.extra_objects or []) + objects
+            super().build_extension(ext)
+
+    return BuildExtensionWithSm90a.with_options(no_python_abi_suffix=True)
 
 
 setup(

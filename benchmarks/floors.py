@@ -4,7 +4,7 @@
     python benchmarks/floors.py --batches 1 16 128 --out /tmp/floors.json
     python benchmarks/floors.py --own-mb 4 16 20 32 --programs-per-sm 1 2 4 8 16
 
-The benchmarks time with triton.testing.do_bench (fused_pool_gelu.timing): a 256 MB buffer is
+The benchmarks time with triton.testing.do_bench (fused_pool_gelu.measure): a 256 MB buffer is
 zeroed before every run, so each run starts with the L2 full of dirty lines and the op's operands
 in DRAM. Under that timer this script measures, in one process:
   - the timer's own floor: one launch of a one-element kernel (`add_` on a 1-float tensor);
@@ -33,7 +33,7 @@ import triton.language as tl
 
 import common
 import fused_pool_gelu
-from fused_pool_gelu.timing import make_timer
+from fused_pool_gelu.measure import make_timer
 
 
 @triton.jit

@@ -8,13 +8,13 @@
 
 For each batch size and each path (--paths; "default": what the op picks on this GPU, wgmma on an
 sm_90a build on Hopper: the certified path from 513 rows, 257 with --prepared, on weights large
-enough (README, FUSED_POOL_GELU_CERTIFIED), 3xTF32 elsewhere;
+enough (docs/design.md), 3xTF32 elsewhere;
 "mma_sync": the portable kernel, FUSED_POOL_GELU_FORCE_MMA_SYNC=1; "certified" / "3xtf32": the
 certified single pass forced on / off, FUSED_POOL_GELU_CERTIFIED=1 / 0), prints every kernel the op
 launches with its own time / device time (common.kernel_device_times: on sm_90+ the kernels after
 the GEMM are programmatic dependent launches, which start while the one before runs and wait for it;
 their device time holds the wait, their own time does not), the sum of the own times, and the call's
-median (fused_pool_gelu.timing, as bench_forward.py). Data: the benchmarks' (bench_forward.py): the
+median (fused_pool_gelu.measure, as bench_forward.py). Data: the benchmarks' (bench_forward.py): the
 folded weights of Model(K, 16 N, 16, 2.0) after torch.manual_seed(0), x ~ U(0, 1) seeded with B;
 shape K = 8192, N = 512 by default (-K, -N), or several in one process (--shapes KxN ...). The
 certified path's speed depends on the data (how many columns each row rescores): its rows also print
@@ -26,22 +26,21 @@ not apply to it, and there is no prepared weight).
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 import common
 import fused_pool_gelu
-from fused_pool_gelu.timing import make_timer
+from fused_pool_gelu._debug import KNOBS, debug_knobs
+from fused_pool_gelu.measure import make_timer
 
-# The environment switches of each path (read by the op at every call).
+# The debug knobs of each path (fused_pool_gelu._debug).
 PATHS = {
     "default": {},
     "mma_sync": {"FUSED_POOL_GELU_FORCE_MMA_SYNC": "1"},
     "certified": {"FUSED_POOL_GELU_CERTIFIED": "1"},
     "3xtf32": {"FUSED_POOL_GELU_CERTIFIED": "0"},
 }
-SWITCHES = sorted({name for switches in PATHS.values() for name in switches})
 
 
 POOL = 16  # the benchmarks' pooling window
@@ -122,14 +121,13 @@ def main():
         prepared_weight = (fused_pool_gelu.prepare_weight(weight) if args.prepared != "no"
                            else None)
         for path in args.paths:
-            for name in SWITCHES:
-                os.environ.pop(name, None)
-            os.environ.update(PATHS[path])
-            for batch in args.batches:
-                x = common.benchmark_x(batch, k, "cuda").to(dtype)
-                for prepared in prepared_options:
-                    rows.append(profile_row(path, x, weight, bias, args.calls,
-                                            prepared_weight if prepared else None))
+            # Exactly this path's knobs: the others unset.
+            with debug_knobs(**{**dict.fromkeys(KNOBS), **PATHS[path]}):
+                for batch in args.batches:
+                    x = common.benchmark_x(batch, k, "cuda").to(dtype)
+                    for prepared in prepared_options:
+                        rows.append(profile_row(path, x, weight, bias, args.calls,
+                                                prepared_weight if prepared else None))
     common.write_profile(args.out, rows)
 
 

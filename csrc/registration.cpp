@@ -1,11 +1,12 @@
 // Every operator schema of fused_pool_gelu, in one place, and the Python module stub.
 //
-// The math (docs in ../README.md, derivation in DESIGN.md):
+// The math (docs/design.md):
 //   fold:    pooled_weight[n] = mean_r weight[n*k + r],  pooled_bias[n] = mean_r bias[n*k + r]
 //   forward: out[b] = max_n scale * gelu(x[b] . pooled_weight[n] + pooled_bias[n])
 // Device kernels register themselves next to their code (csrc/cpu/*.cpp, csrc/cuda/*.cu), and so
-// do model_forward's kernels (csrc/model_forward.cpp); fake kernels and the other autograd formulas
-// live in fused_pool_gelu/ops.py.
+// do model_forward's kernels (csrc/model_forward.cpp); the fake kernels, autograd formulas and
+// autocast kernels registered from Python live in fused_pool_gelu/_fake.py, _autograd.py and
+// _autocast.py.
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +20,8 @@
 #include <tuple>
 
 #include "checks.h"
+#include "cuda/forward_plan.h"
+#include "debug_knobs.h"
 #include "op_calls.h"
 
 namespace fused_pool_gelu {
@@ -159,9 +162,45 @@ static PyObject* compiled_build_info(PyObject*, PyObject*) {
                        FPG_DEBUG ? Py_True : Py_False);
 }
 
+// The planner's view of a CUDA device (cuda/forward_plan.h's DeviceLimits), for the tests.
+static PyObject* device_limits(PyObject*, PyObject* arg) {
+#if FPG_WITH_CUDA
+  const long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) return nullptr;
+  try {
+    const fused_pool_gelu::cuda::DeviceLimits& l =
+        fused_pool_gelu::cuda::device_limits_of(static_cast<int>(device));
+    static_assert(fused_pool_gelu::cuda::fg::kNumSimtBatchTiles == 5, "the simt tuple below");
+    const int* simt = l.simt_ctas_per_sm;
+    return Py_BuildValue("{s:i,s:(iiiii),s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "sms", l.sms, "simt",
+                         simt[0], simt[1], simt[2], simt[3], simt[4], "tc_gemv",
+                         l.tc_gemv_ctas_per_sm, "tc", l.tc_ctas_per_sm, "wgmma",
+                         l.wgmma_ctas_per_sm, "epilogue", l.epilogue_one_split_ctas_per_sm,
+                         "smem_per_sm", l.smem_per_sm, "spread_smem_max", l.spread_smem_max,
+                         "dependent_launch", l.dependent_launch ? 1 : 0);
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+#else
+  (void)arg;
+  PyErr_SetString(PyExc_RuntimeError, "fused_pool_gelu was built without CUDA kernels");
+  return nullptr;
+#endif
+}
+
+static PyObject* reload_debug_knobs(PyObject*, PyObject*) {
+  fused_pool_gelu::reload_debug_knobs();
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"compiled_build_info", compiled_build_info, METH_NOARGS,
      "What this binary was built against: torch and CUDA versions, CUDA archs, debug."},
+    {"_device_limits", device_limits, METH_O,
+     "The forward planner's limits of a CUDA device (csrc/cuda/forward_plan.h's DeviceLimits)."},
+    {"_reload_debug_knobs", reload_debug_knobs, METH_NOARGS,
+     "Reads the FUSED_POOL_GELU_* debug knobs (csrc/debug_knobs.h) from the environment again."},
     {nullptr, nullptr, 0, nullptr}};
 
 // Importing fused_pool_gelu._C loads this library, which runs the registrations above.

@@ -20,6 +20,7 @@ import os
 import torch
 
 import fused_pool_gelu as fpg
+from fused_pool_gelu._debug import KNOBS, set_debug_knobs
 
 torch.manual_seed(0)
 device = "cuda"
@@ -49,9 +50,8 @@ paths = [
     {"FUSED_POOL_GELU_FORCE_MMA_SYNC": "1"},
 ]
 for switches, (batch, k_in, o, k) in [(p, c) for p in paths for c in cases]:
-    for name in ("FUSED_POOL_GELU_CERTIFIED", "FUSED_POOL_GELU_FORCE_MMA_SYNC"):
-        os.environ.pop(name, None)
-    os.environ.update(switches)
+    # Exactly this path's knobs, the others unset (fused_pool_gelu._debug).
+    set_debug_knobs(**{**dict.fromkeys(KNOBS), **switches})
     model = fpg.ModelNew(k_in, o, k, 2.0).to(device)
     x = torch.rand(batch, k_in, device=device, requires_grad=True)
     out = model(x)

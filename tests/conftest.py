@@ -13,6 +13,8 @@ fixture:
   workspace included) is filled with NaN: a value a kernel never writes shows, even where an
   identical earlier call left the right one in the allocator's cache.
 - ``deterministic_cublas``: the same, for tests whose ops call cuBLAS.
+- ``set_debug_knobs``: set(**knobs) sets FUSED_POOL_GELU_* debug knobs (fused_pool_gelu._debug)
+  for the rest of the test; they are restored, and re-read by the extension, after it.
 - ``kernels_run``: the names of the CUDA kernels a call launches (torch.profiler), for tests that
   assert which path served them. CUPTI cannot attach under compute-sanitizer: mark such tests
   ``profiler`` (scripts/sanitize.sh leaves those out), or skip the check where
@@ -23,6 +25,7 @@ Every test starts from its own seed (derived from its node id): fresh data, repr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from types import SimpleNamespace
@@ -32,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 import fused_pool_gelu
-from fused_pool_gelu.timing import capture_cuda_graph
+from fused_pool_gelu._debug import debug_knobs
+from fused_pool_gelu.measure import capture_cuda_graph
 
 
 def _cuda_skip_reason():
@@ -306,5 +310,12 @@ def kernels_run():
 
 @pytest.fixture
 def capture_graph():
-    """fused_pool_gelu.timing.capture_cuda_graph: (graph, fn's outputs, computed by each replay)."""
+    """fused_pool_gelu.measure.capture_cuda_graph: (graph, fn's outputs, computed by each replay)."""
     return capture_cuda_graph
+
+
+@pytest.fixture
+def set_debug_knobs():
+    """set(**knobs): the debug knobs for the rest of the test (fused_pool_gelu._debug)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(debug_knobs(**values))

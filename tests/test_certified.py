@@ -36,11 +36,11 @@ def _certified_can_run():
 
 
 @pytest.fixture
-def certified(monkeypatch):
+def certified(set_debug_knobs):
     """Forces the certified path; skips where it cannot run."""
     if not _certified_can_run():
         pytest.skip("the certified path needs an sm_90a build on a compute capability 9.0 GPU")
-    monkeypatch.setenv("FUSED_POOL_GELU_CERTIFIED", "1")
+    set_debug_knobs(FUSED_POOL_GELU_CERTIFIED="1")
 
 
 @pytest.fixture
@@ -529,9 +529,9 @@ def test_rows_of_every_candidate_count_interleaved(run_certified, make_inputs, c
     ],
 )
 def test_the_default_takes_the_certified_path_from_its_batch_and_weight_size(
-    prepared, batch, pooled, in_features, takes_certified, certified, monkeypatch
+    prepared, batch, pooled, in_features, takes_certified, certified, set_debug_knobs
 ):
-    _check_default_path(prepared, batch, pooled, in_features, takes_certified, monkeypatch)
+    _check_default_path(prepared, batch, pooled, in_features, takes_certified, set_debug_knobs)
 
 
 # With a prepared weight, also from kCertifiedFusedMinBatch = 33 rows to one row per SM (the fused
@@ -544,23 +544,23 @@ def test_the_default_takes_the_certified_path_from_its_batch_and_weight_size(
 @pytest.mark.parametrize("rows", ["33", "SMs", "SMs + 1"])
 @pytest.mark.parametrize("prepared", [True, False])
 def test_the_default_takes_the_fused_rows_with_a_prepared_weight(
-    rows, prepared, pooled, in_features, large_enough, certified, monkeypatch
+    rows, prepared, pooled, in_features, large_enough, certified, set_debug_knobs
 ):
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     batch = {"33": 33, "SMs": sms, "SMs + 1": sms + 1}[rows]
     takes_certified = prepared and large_enough and batch <= sms
-    _check_default_path(prepared, batch, pooled, in_features, takes_certified, monkeypatch)
+    _check_default_path(prepared, batch, pooled, in_features, takes_certified, set_debug_knobs)
 
 
-def _check_default_path(prepared, batch, pooled, in_features, takes_certified, monkeypatch):
+def _check_default_path(prepared, batch, pooled, in_features, takes_certified, set_debug_knobs):
     x = torch.rand(batch, in_features, device=DEVICE)
     weight = torch.randn(pooled, in_features, device=DEVICE) * 0.02
     bias = torch.randn(pooled, device=DEVICE)
     prepared_weight = _OPS.prepare_weight(weight) if prepared else None
     forced = _OPS.forward_with_argmax(x, weight, bias, 2.0)  # the fixture forces it on
-    monkeypatch.setenv("FUSED_POOL_GELU_CERTIFIED", "0")
+    set_debug_knobs(FUSED_POOL_GELU_CERTIFIED="0")
     off = _OPS.forward_with_argmax(x, weight, bias, 2.0, prepared_weight)
-    monkeypatch.delenv("FUSED_POOL_GELU_CERTIFIED")
+    set_debug_knobs(FUSED_POOL_GELU_CERTIFIED=None)
     default = _OPS.forward_with_argmax(x, weight, bias, 2.0, prepared_weight)
     # The two paths round differently (float32 dot products in another order): some output
     # differs in its last bits, and the default matches exactly one of them bitwise.

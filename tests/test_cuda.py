@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_pool_gelu
-from fused_pool_gelu import Model, ModelNew, ops
+from fused_pool_gelu import Model, ModelNew, _debug, ops
 
 pytestmark = pytest.mark.cuda
 
@@ -285,10 +285,8 @@ def test_overlapping_rows_of_x_give_correct_results(layout, batch, in_features, 
 # portable mma.sync kernel elsewhere (and on Hopper under FUSED_POOL_GELU_FORCE_MMA_SYNC=1).
 
 
-
-
 def _has_tc_gemv():
-    # forward_gemm.cuh, kTcGemvSmemBytes: Hopper's 227 KB per block; A100's 163 KB is too little.
+    # tile_sizes.h, kTcGemvSmemBytes: Hopper's 227 KB per block; A100's 163 KB is too little.
     return (
         torch.cuda.is_available()
         and torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= 192 * 1024
@@ -309,7 +307,7 @@ def _has_wgmma_gemm():
     not _has_wgmma_gemm(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
 )
 def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(
-    monkeypatch, make_inputs, kernels_run
+    set_debug_knobs, make_inputs, kernels_run
 ):
     x, weight, bias = make_inputs(256, 1024, 256, torch.float32, DEVICE)
     run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
@@ -335,13 +333,30 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(
             kernels_run, lambda: ops.forward_with_argmax(x_b, weight_b, bias_b, 2.0)
         )
         assert names and all(kernel in n for n in names), (batch, in_features, pooled, names)
-    monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
+    set_debug_knobs(FUSED_POOL_GELU_FORCE_MMA_SYNC="1")
     names = _gemm_kernels_run(kernels_run, run)
     assert names and not any("wgmma" in n for n in names), names
     names = _gemm_kernels_run(
         kernels_run, lambda: ops.forward_with_argmax(x[:32], weight, bias, 2.0)
     )
     assert names and all("simt_splitk" in n for n in names), names
+
+
+@pytest.mark.profiler
+@pytest.mark.skipif(
+    not _has_wgmma_gemm(), reason="needs an sm_90a build on a compute capability 9.0 GPU"
+)
+def test_debug_knobs_are_read_once_until_reloaded(
+    monkeypatch, set_debug_knobs, make_inputs, kernels_run
+):
+    x, weight, bias = make_inputs(256, 1024, 256, torch.float32, DEVICE)
+    run = lambda: ops.forward_with_argmax(x, weight, bias, 2.0)  # noqa: E731
+    set_debug_knobs(FUSED_POOL_GELU_FORCE_MMA_SYNC=None)  # read: off
+    monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")  # not read yet
+    assert any("wgmma" in n for n in _gemm_kernels_run(kernels_run, run))
+    _debug.reload()
+    names = _gemm_kernels_run(kernels_run, run)
+    assert names and not any("wgmma" in n for n in names), names
 
 
 # The SIMT GEMV's split count at B = 8 and N <= 16 is K / 256 (one 256-float chunk per split, up to
@@ -462,10 +477,9 @@ PATH_SWITCHES = {
     "batch,in_features,pooled", TC_SHAPES, ids=[f"B{b}-K{k}-N{n}" for b, k, n in TC_SHAPES]
 )
 def test_tensor_core_gemms_match_float64(
-    batch, in_features, pooled, path, monkeypatch, make_inputs, check_forward
+    batch, in_features, pooled, path, set_debug_knobs, make_inputs, check_forward
 ):
-    for name, value in PATH_SWITCHES[path].items():
-        monkeypatch.setenv(name, value)
+    set_debug_knobs(**PATH_SWITCHES[path])
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, DEVICE)
     out, argmax, preactivation = ops.forward_with_argmax(x, weight, bias, 2.0)
     check_forward(out, argmax, preactivation, x, weight, bias, 2.0)
@@ -481,10 +495,9 @@ def test_tensor_core_gemms_match_float64(
 @pytest.mark.parametrize("path", ["default", "mma_sync"])
 @pytest.mark.parametrize("pooled", [1, 2, 3])
 def test_tensor_core_gemms_keep_the_contract_on_few_output_columns(
-    path, pooled, monkeypatch, make_inputs, deterministic_algorithms, kernels_run
+    path, pooled, set_debug_knobs, make_inputs, deterministic_algorithms, kernels_run
 ):
-    for name, value in PATH_SWITCHES[path].items():
-        monkeypatch.setenv(name, value)
+    set_debug_knobs(**PATH_SWITCHES[path])
     worst = 0.0
     for seed in range(40):
         torch.manual_seed(seed)
@@ -499,12 +512,12 @@ def test_tensor_core_gemms_keep_the_contract_on_few_output_columns(
     assert worst <= 1e-6, worst
 
 
-def test_both_tensor_core_gemms_agree_to_float32_accuracy(monkeypatch):
+def test_both_tensor_core_gemms_agree_to_float32_accuracy(set_debug_knobs):
     model, new = _models(8192, 8192, 16, 2.0, seed=11)
     x = torch.rand(512, 8192, device=DEVICE)
     pooled_weight, pooled_bias = new.folded_parameters()
     out = ops.forward(x, pooled_weight, pooled_bias, 2.0)
-    monkeypatch.setenv("FUSED_POOL_GELU_FORCE_MMA_SYNC", "1")
+    set_debug_knobs(FUSED_POOL_GELU_FORCE_MMA_SYNC="1")
     out_mma = ops.forward(x, pooled_weight, pooled_bias, 2.0)
     torch.testing.assert_close(out, out_mma, atol=2e-6, rtol=2e-6)
     _assert_contract(out, model, x)

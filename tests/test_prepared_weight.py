@@ -143,12 +143,12 @@ def test_other_dtypes_are_prepared_from_their_float32_values(dtype, device):
 @pytest.mark.parametrize("batch,in_features,pooled", [(1024, 512, 96), (33, 100, 7), (3, 77, 5)])
 @pytest.mark.parametrize("certified_mode", ["default", "forced"])
 def test_forward_gives_the_same_bits_with_and_without(
-    batch, in_features, pooled, certified_mode, device, make_inputs, monkeypatch
+    batch, in_features, pooled, certified_mode, device, make_inputs, set_debug_knobs
 ):
     if certified_mode == "forced":
         if device == "cpu":
             pytest.skip("the certified path is CUDA's")
-        monkeypatch.setenv("FUSED_POOL_GELU_CERTIFIED", "1")
+        set_debug_knobs(FUSED_POOL_GELU_CERTIFIED="1")
     x, weight, bias = make_inputs(batch, in_features, pooled, torch.float32, device)
     prepared = fused_pool_gelu.prepare_weight(weight)
     expected = ops.forward_with_argmax(x, weight, bias, 2.0)

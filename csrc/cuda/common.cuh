@@ -9,6 +9,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <type_traits>
+#include <utility>
 
 namespace fused_pool_gelu {
 namespace cuda {
@@ -198,6 +201,57 @@ inline bool is_aligned(const void* ptr, int64_t bytes) {
 inline bool rows_are_vectorizable(const at::TensorBase& t, int vec) {
   return t.size(1) % vec == 0 && t.stride(1) == 1 && t.stride(0) % vec == 0 &&
          is_aligned(t.const_data_ptr(), kVectorBytes);
+}
+
+template <typename Kernel>
+void set_max_dynamic_smem(Kernel kernel, int bytes) {
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <typename Kernel>
+int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
+  int ctas = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem_bytes));
+  return ctas;
+}
+
+// Kernel families compiled for a list of sizes (kValues: ascending, distinct), one instance per
+// value. for_each_value calls f(std::integral_constant<int, kValues[i]>) for each i.
+template <const auto& kValues, typename F, size_t... kIndices>
+void for_each_value(F&& f, std::index_sequence<kIndices...>) {
+  (f(std::integral_constant<int, kValues[kIndices]>{}), ...);
+}
+template <const auto& kValues, typename F>
+void for_each_value(F&& f) {
+  for_each_value<kValues>(f, std::make_index_sequence<std::size(kValues)>{});
+}
+
+// Calls f(std::integral_constant<int, kValues[i]>) (the values are distinct: one call).
+template <const auto& kValues, typename F>
+void dispatch_value(int i, F&& f) {
+  TORCH_CHECK(0 <= i && i < static_cast<int>(std::size(kValues)),
+              "fused_pool_gelu.forward: internal error: instance index ", i);
+  for_each_value<kValues>([&](auto value) {
+    if (decltype(value)::value == kValues[i]) f(value);
+  });
+}
+
+// Calls f(std::integral_constant<int, bound>) for a power of two `bound` (1, 2, 4, ...,
+// kMaxBound; forward_plan.h's split_bound_for picks it): the kernels that sum split partials with
+// all their loads at once are compiled for these bounds.
+template <int kMaxBound, int kBound = 1, typename F>
+void dispatch_split_bound(int bound, F&& f) {
+  static_assert(kMaxBound > 0 && (kMaxBound & (kMaxBound - 1)) == 0, "a power of two");
+  if constexpr (kBound >= kMaxBound) {
+    TORCH_CHECK(bound == kMaxBound, "fused_pool_gelu.forward: internal error: split bound ",
+                bound);
+    f(std::integral_constant<int, kMaxBound>{});
+  } else if (bound == kBound) {
+    f(std::integral_constant<int, kBound>{});
+  } else {
+    dispatch_split_bound<kMaxBound, 2 * kBound>(bound, f);
+  }
 }
 
 // gridDim.x's limit.

@@ -1,214 +1,22 @@
-// The split-K GEMM kernels of the forward: partial[s, b, n] = sum over the k of split s of
-// x[b, k] * weight[n, k], written to an fp32 workspace [splits, B, N] that the epilogue kernel
-// (forward.cu) reduces in split order, so results are bitwise reproducible run to run.
-//
+// The small-batch GEMVs of the forward (forward_plan.h picks one per call):
 //   simt_splitk_kernel     small batch (a GEMV): exact fp32 FMA, the weight streamed once with
 //                          16-byte loads, the x rows' K chunk staged in shared memory.
 //   rowwise_gemv_kernel    B <= 4 with enough weight rows to fill the GPU: whole rows per CTA, no
 //                          split-K (one "split"), exact fp32 FMA.
 //   tf32x3_gemv_splitk_kernel  17-32 rows: the 3xTF32 products of the kernel below on a 32-row
 //                          batch tile, the weight streamed once as by the GEMVs.
-//   tf32x3_splitk_kernel   larger batch: tensor cores (mma.sync m16n8k8 TF32, sm_80 and later)
-//                          with float32-class accuracy from the 3xTF32 split of every operand.
-//
-// Operand contract (the host code in forward.cu guarantees it, copying when needed): float32,
-// row-major rows with unit column stride, K a multiple of 4 (zero padded), row strides a
-// multiple of 4 floats and 16-byte aligned base pointers, so every 4-float chunk of a row is one
-// aligned 16-byte load.
-#pragma once
-
-#include <cuda_bf16.h>
+#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "common.cuh"
+#include "cuda/common.cuh"
+#include "cuda/forward_launch.h"
+#include "cuda/gemm_common.cuh"
 
 namespace fused_pool_gelu {
 namespace cuda {
 namespace forward_gemm {
-
-// ------------------------------------------------------------------------------------------------
-// Small PTX wrappers.
-// ------------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float4 load_global_f4(const float* ptr) {
-  return __ldg(reinterpret_cast<const float4*>(ptr));
-}
-
-__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// 16-byte global -> shared copy that bypasses L1; src_bytes = 0 writes 16 zero bytes instead
-// (nothing is read, but src must still be a valid address).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most `kPending` committed groups of this thread are still in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Four 8x8 matrices of 16-bit elements = four 8-row x 4-float tiles: thread t receives float
-// (row t / 4, column t % 4) of matrix j in r[j]; threads 8j .. 8j+7 give the row addresses of
-// matrix j. This is exactly the TF32 m16n8k8 A / B fragment layout (see the kernel below).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address)
-               : "memory");
-}
-
-// d += a * b on a 16x8x8 tile: A row-major 16x8, B column-major 8x8 (= weight rows), fp32
-// accumulation.
-__device__ __forceinline__ void mma_tf32_16x8x8(float (&d)[4], const uint32_t (&a)[4],
-                                                const uint32_t (&b)[2]) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Special registers read with volatile asm, so that the compiler re-reads them instead of keeping
-// an earlier copy live through a long loop (used after the SIMT K loop, where sm_80 ptxas would
-// otherwise spill a few index registers around the loop).
-__device__ __forceinline__ int fresh_thread_x() {
-  int v;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
-  return v;
-}
-__device__ __forceinline__ dim3 fresh_block_idx() {
-  unsigned x, y, z;
-  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
-  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(y));
-  asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(z));
-  return dim3(x, y, z);
-}
-
-// TF32 keeps the sign, the 8 exponent bits and the top 10 mantissa bits of a float32.
-constexpr uint32_t kTf32Mask = 0xffffe000u;
-
-// 3xTF32 operand split: v = big + small + (a remainder below 2^-20 |v|). big is v truncated to
-// TF32; small = v - big is exact in fp32 and is truncated to TF32 too. Both halves are exact TF32
-// values, so the product does not depend on whether the tensor core truncates or rounds its
-// inputs. An infinite v gives big = inf and small = inf - inf = NaN, so products with a +-inf
-// input are NaN where an fp32 GEMM gives +-inf or NaN: the same pre-activations are non-finite
-// either way (a +-inf in x[b] makes all of row b non-finite in fp32 too, a +-inf in weight[n] all
-// of column n), and the epilogue maps every non-finite pre-activation to NaN.
-__device__ __forceinline__ void split_tf32(uint32_t v, uint32_t& big, uint32_t& small) {
-  big = v & kTf32Mask;
-  small = __float_as_uint(__uint_as_float(v) - __uint_as_float(big)) & kTf32Mask;
-}
-
-// acc += a b in 3xTF32 over a kM x kN grid of m16n8k8 tiles (fragment m with fragment n): the
-// small terms first (as CUTLASS's OpMultiplyAddFastF32), the big x big product last.
-template <int kM, int kN>
-__device__ __forceinline__ void mma_3xtf32_grid(float (&acc)[kM][kN][4],
-                                                const uint32_t (&a_big)[kM][4],
-                                                const uint32_t (&a_small)[kM][4],
-                                                const uint32_t (&b_big)[kN][2],
-                                                const uint32_t (&b_small)[kN][2]) {
-  auto grid = [&acc](const uint32_t (&a)[kM][4], const uint32_t (&b)[kN][2]) {
-#pragma unroll
-    for (int m = 0; m < kM; ++m) {
-#pragma unroll
-      for (int n = 0; n < kN; ++n) mma_tf32_16x8x8(acc[m][n], a[m], b[n]);
-    }
-  };
-  grid(a_small, b_big);
-  grid(a_big, b_small);
-  grid(a_big, b_big);
-}
-
-// The second level of the tensor-core kernels' two-level accumulation: total += acc (fp32 adds,
-// round to nearest), then acc = 0 for the next K tile's mma chain (tensor cores truncate as they
-// accumulate; see tf32x3_splitk_kernel).
-template <int kM, int kN>
-__device__ __forceinline__ void flush_into_total(float (&total)[kM][kN][4],
-                                                 float (&acc)[kM][kN][4]) {
-#pragma unroll
-  for (int m = 0; m < kM; ++m) {
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        total[m][n][e] += acc[m][n][e];
-        acc[m][n][e] = 0.f;
-      }
-    }
-  }
-}
-
-// What every split-K GEMM kernel of the forward gets (one launch covers `rows` rows of x).
-struct GemmParams {
-  const float* x;         // [rows, k], row stride ldx
-  int64_t ldx;
-  const float* w;         // [n, k], row stride ldw
-  int64_t ldw;
-  float* partial;         // partial[s * split_stride + row * n + col]
-  // certified_pass1_kernel's partials instead, in bfloat16 (same layout; partial is null there)
-  __nv_bfloat16* rounded_partial;
-  int64_t split_stride;
-  int64_t rows;           // rows of x in this launch
-  int64_t n;
-  int64_t k;              // padded K (multiple of 4; the GEMV also needs < 2^31 - 2 kSimtChunkK)
-  int64_t k_per_split;    // a multiple of the kernel's planning granularity (its K step)
-  // certified_pass1_kernel only (the others leave them null): the power of two that undoes the
-  // scaling of each weight row's fp16 copy, w_inverse_scale[n * w_inverse_scale_stride] (the
-  // prepared weight's trailers, prepared_weight.h); per x row and split (x_sumsq[row * splits + s],
-  // this launch's rows) the exponent of the row's scale in that split and the sums of squares of
-  // its scaled values and of their fp16 residuals, for the error bound of the selection
-  // (forward_certified.cuh).
-  const float* w_inverse_scale;
-  int64_t w_inverse_scale_stride;
-  float* x_sumsq;
-  float* x_residual_sumsq;
-  int* x_scale_exponent;
-  // certified_pass1_kernel: two ints it sets to 0 (the selection's rescore_ends; pass 1 runs before
-  // the selection in every call, so no memset of its own is needed).
-  int* zeroed_counters;
-};
-
-// Split `split`'s partial sums of batch rows b0 .. b0 + kBatchRows - 1 and weight rows n0 .. n0 +
-// kRows - 1 (clipped to the launch's rows and N), each the sum in warp order of kWarps warps'
-// values staged in shared memory as sums[(warp * kBatchRows + b) * kLd + row]; kThreads threads
-// from `tid` on.
-template <int kWarps, int kBatchRows, int kRows, int kLd, int kThreads>
-__device__ __forceinline__ void store_warp_sums(const GemmParams& p, const float* sums, int tid,
-                                                int64_t split, int64_t b0, int64_t n0) {
-  for (int o = tid; o < kBatchRows * kRows; o += kThreads) {
-    const int bb = o / kRows;
-    const int row = o % kRows;
-    float sum = sums[bb * kLd + row];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) sum += sums[(w * kBatchRows + bb) * kLd + row];
-    const int64_t b = b0 + bb;
-    const int64_t n = n0 + row;
-    if (b < p.rows && n < p.n) p.partial[split * p.split_stride + b * p.n + n] = sum;
-  }
-}
-
-// Columns col and col + 1 of `out_row` (a row of split partial sums), the pair an m16n8
-// accumulator fragment holds at (g, 2t) or (g + 8, 2t), clipped to N: one float2 store where N is
-// even (even_n: then col, always even, and col < N imply col + 1 < N).
-__device__ __forceinline__ void store_partial_pair(float* out_row, int64_t col, int64_t n,
-                                                   bool even_n, float v0, float v1) {
-  if (even_n) {
-    if (col < n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
-  } else {
-    if (col < n) out_row[col] = v0;
-    if (col + 1 < n) out_row[col + 1] = v1;
-  }
-}
 
 // ------------------------------------------------------------------------------------------------
 // Small batch: SIMT split-K GEMV.
@@ -224,32 +32,6 @@ __device__ __forceinline__ void store_partial_pair(float* out_row, int64_t col, 
 // while the current one is computed.
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kSimtThreads = 256;
-constexpr int kSimtWarps = kSimtThreads / 32;
-// 4 lanes x 16 B = 64 B of a row per load instruction: two full 32-byte sectors.
-constexpr int kSimtLanesPerRow = 4;
-constexpr int kSimtQuadsPerWarp = 32 / kSimtLanesPerRow;  // 8 rows per load instruction
-// Rows per lane: each x value loaded from shared memory is used for this many rows (2 keeps the
-// shared-memory traffic at 1 LDS.128 per 8 FMAs).
-constexpr int kSimtRowsPerLane = 2;
-constexpr int kSimtRowsPerCta = kSimtQuadsPerWarp * kSimtRowsPerLane;  // 16
-// 16-byte loads per row and lane per step: a step covers 2 x 64 B = one 128-byte line per row.
-constexpr int kSimtLoadsPerRow = 2;
-constexpr int kSimtSegmentK = kSimtLanesPerRow * 4;              // 16 floats per instruction
-constexpr int kSimtStepK = kSimtSegmentK * kSimtLoadsPerRow;     // 32 floats per warp step
-constexpr int kSimtChunkK = kSimtStepK * kSimtWarps;             // 256 floats of x staged at once
-constexpr int kSimtXBuffers = 2;                                 // x chunk double buffer
-// Batch rows per CTA (register arrays): the host picks the smallest power of two >= B, up to this;
-// more rows run as several batch tiles (grid z). Registers (ptxas, sm_90a, CUDA 13.0): 126 at 16,
-// 2 CTAs per SM. A 32-row tile took 246 (one CTA of 8 warps per SM) and ran B = 17-32 slower than
-// two 16-row tiles, though those read the weight twice (the second time mostly from L2). H200 own
-// times, GEMV + epilogue, B = 24 / 32 (profile_forward.py, 2026-11-30 14:33-14:41 UTC), one 32-row
-// tile against two 16-row tiles: N x K = 128 x 2048 6.4 / 6.5 against 5.6 / 5.5 us, 256 x 4096
-// 10.0 / 10.1 against 9.4 / 9.5, 128 x 16384 13.0 / 13.1 against 12.3 / 12.2, 256 x 8192 13.7 /
-// 13.8 against 12.7 / 12.9, 512 x 4096 15.4 / 15.5 against 13.2 / 14.3-14.6, 1024 x 2048 16.0 /
-// 17.5 against 13.8 / 14.0-14.3. With __launch_bounds__(256, 2) the 32-row tile spilled and lost
-// to both (256 x 4096: 11.6 / 11.7).
-constexpr int kSimtMaxBatchTile = 16;
 
 
 template <int kBatchTile>
@@ -447,15 +229,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const GemmPar
 // register-loading version (each thread's FMAs in the same order).
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kRowwiseThreads = 512;
-constexpr int kRowwiseWarps = kRowwiseThreads / 32;
-constexpr int kRowwiseRows = 4;
-constexpr int kRowwiseMaxBatch = 4;
-constexpr int kRowwiseUnroll = 2;
-// The staged pieces of a step, [kRowwiseUnroll][kRowwiseRows + batch][kRowwiseThreads] float4.
-constexpr int rowwise_smem_bytes(int batch) {
-  return kRowwiseUnroll * (kRowwiseRows + batch) * kRowwiseThreads * 16;
-}
+
 
 template <int kBatch>
 __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const GemmParams p) {
@@ -545,206 +319,6 @@ __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const Gem
 }
 
 // ------------------------------------------------------------------------------------------------
-// Larger batch: 3xTF32 tensor-core split-K GEMM.
-//
-// CTA tile kTcBlockM (batch rows) x kTcBlockN (weight rows) x kTcBlockK, 8 warps as 2 (M) x 4 (N),
-// warp tile 64 x 32 = 4 x 4 mma tiles of 16 x 8. Global -> shared with cp.async in a kTcStages
-// ring (zero fill past M, N and the split's K range). Shared rows are padded to 36 floats: eight
-// consecutive rows then start 16 bytes apart modulo 128, so ldmatrix phases (8 rows x 16 B) and
-// the cp.async writes are free of bank conflicts.
-//
-// m16n8k8 TF32 fragments (g = lane / 4, t = lane % 4), PTX ISA "mma.m16n8k8" (.tf32):
-//   A (16 x 8, row): a0 (g, t)  a1 (g + 8, t)  a2 (g, t + 4)  a3 (g + 8, t + 4)
-//   B (8 x 8, col):  b0 (k = t, n = g)  b1 (k = t + 4, n = g)
-//   C (16 x 8):      c0 (g, 2t)  c1 (g, 2t + 1)  c2 (g + 8, 2t)  c3 (g + 8, 2t + 1)
-// ldmatrix.x4 delivers float (row t/4, col t%4) of matrix j in r[j] (see ldmatrix_x4), so
-//   A: matrices (rows 0-7, k 0-3), (rows 8-15, k 0-3), (rows 0-7, k 4-7), (rows 8-15, k 4-7)
-//      = a0..a3: lane l points at row (l & 7) + 8 ((l >> 3) & 1), column 4 (l >> 4);
-//   B: matrices (n 0-7, k 0-3), (n 0-7, k 4-7), (n 8-15, k 0-3), (n 8-15, k 4-7)
-//      = b0, b1 of n tile 2p and b0, b1 of n tile 2p + 1: lane l points at weight row
-//      (l & 7) + 8 (l >> 4), column 4 ((l >> 3) & 1).
-// ------------------------------------------------------------------------------------------------
-
-constexpr int kTcBlockM = 128;
-constexpr int kTcBlockN = 128;
-// 32 floats = 128 B of a row per stage: one full line per row and cp.async chunk group.
-constexpr int kTcBlockK = 32;
-// 4 stages (3 tiles in flight while one is computed) to cover DRAM/L2 latency with 1 CTA per SM;
-// 4 x 36 KB = 144 KB of shared memory (sm_80: 163 KB, sm_90: 227 KB opt-in).
-constexpr int kTcStages = 4;
-constexpr int kTcWarpsM = 2;
-constexpr int kTcWarpsN = 4;
-constexpr int kTcThreads = 32 * kTcWarpsM * kTcWarpsN;
-constexpr int kTcMmaM = 16;
-constexpr int kTcMmaN = 8;
-constexpr int kTcMmaK = 8;
-constexpr int kTcWarpTileM = kTcBlockM / kTcWarpsM;    // 64
-constexpr int kTcWarpTileN = kTcBlockN / kTcWarpsN;    // 32
-constexpr int kTcFragsM = kTcWarpTileM / kTcMmaM;      // 4
-constexpr int kTcFragsN = kTcWarpTileN / kTcMmaN;      // 4
-constexpr int kTcSmemLd = kTcBlockK + 4;               // padded shared row, in floats
-constexpr int kTcTileAFloats = kTcBlockM * kTcSmemLd;
-constexpr int kTcStageFloats = (kTcBlockM + kTcBlockN) * kTcSmemLd;
-constexpr int kTcSmemBytes = kTcStages * kTcStageFloats * static_cast<int>(sizeof(float));
-constexpr int kTcChunksPerRow = kTcBlockK / 4;                    // 16-byte chunks per tile row
-constexpr int kTcLoadRowsPerPass = kTcThreads / kTcChunksPerRow;  // 32
-constexpr int kTcLoadPassesA = kTcBlockM / kTcLoadRowsPerPass;    // 4
-constexpr int kTcLoadPassesB = kTcBlockN / kTcLoadRowsPerPass;    // 4
-
-static_assert(kTcFragsN % 2 == 0, "B fragments are loaded two n tiles per ldmatrix.x4");
-static_assert(kTcBlockM % kTcLoadRowsPerPass == 0 && kTcBlockN % kTcLoadRowsPerPass == 0, "loader");
-static_assert((kTcSmemLd * 4) % 16 == 0, "ldmatrix / cp.async rows must stay 16-byte aligned");
-
-
-__global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const GemmParams p) {
-  extern __shared__ __align__(16) float smem[];  // kTcStages x {A [128][36], B [128][36]}
-  allow_dependent_launch();
-
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int warp = tid / 32;
-  const int warp_m = warp / kTcWarpsN;
-  const int warp_n = warp % kTcWarpsN;
-
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTcBlockN;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTcBlockM;
-  const int64_t split = blockIdx.z;
-  const int64_t k_begin = split * p.k_per_split;
-  const int64_t k_end = min(k_begin + p.k_per_split, p.k);
-  const int num_k_tiles = static_cast<int>(ceil_div(k_end - k_begin, int64_t{kTcBlockK}));
-
-  // Loader: thread -> tile rows load_row + 32 pass, floats [load_col, load_col + 4).
-  const int load_row = tid / kTcChunksPerRow;
-  const int load_col = (tid % kTcChunksPerRow) * 4;
-  const float* a_src[kTcLoadPassesA];
-  bool a_ok[kTcLoadPassesA];
-#pragma unroll
-  for (int pass = 0; pass < kTcLoadPassesA; ++pass) {
-    const int64_t m = m0 + load_row + pass * kTcLoadRowsPerPass;
-    a_ok[pass] = m < p.rows;
-    a_src[pass] = p.x + (a_ok[pass] ? m : 0) * p.ldx + k_begin + load_col;
-  }
-  const float* b_src[kTcLoadPassesB];
-  bool b_ok[kTcLoadPassesB];
-#pragma unroll
-  for (int pass = 0; pass < kTcLoadPassesB; ++pass) {
-    const int64_t n = n0 + load_row + pass * kTcLoadRowsPerPass;
-    b_ok[pass] = n < p.n;
-    b_src[pass] = p.w + (b_ok[pass] ? n : 0) * p.ldw + k_begin + load_col;
-  }
-  const uint32_t smem_base = shared_address(smem);
-  constexpr uint32_t kStageBytes = kTcStageFloats * sizeof(float);
-  constexpr uint32_t kPassBytes = kTcLoadRowsPerPass * kTcSmemLd * sizeof(float);
-  const uint32_t a_dst = smem_base + (load_row * kTcSmemLd + load_col) * sizeof(float);
-  const uint32_t b_dst = a_dst + kTcTileAFloats * sizeof(float);
-
-  auto load_tile = [&](int stage, int k_tile) {
-    const int64_t k_off = static_cast<int64_t>(k_tile) * kTcBlockK;
-    // The chunk holds floats [k, k + 4) with k and k_end multiples of 4: all in or all out.
-    const bool k_ok = k_begin + k_off + load_col < k_end;
-    const uint32_t stage_off = stage * kStageBytes;
-#pragma unroll
-    for (int pass = 0; pass < kTcLoadPassesA; ++pass) {
-      const bool ok = a_ok[pass] && k_ok;
-      cp_async_16(a_dst + stage_off + pass * kPassBytes, ok ? a_src[pass] + k_off : p.x,
-                  ok ? 16 : 0);
-    }
-#pragma unroll
-    for (int pass = 0; pass < kTcLoadPassesB; ++pass) {
-      const bool ok = b_ok[pass] && k_ok;
-      cp_async_16(b_dst + stage_off + pass * kPassBytes, ok ? b_src[pass] + k_off : p.w,
-                  ok ? 16 : 0);
-    }
-  };
-
-  // ldmatrix row addresses of this lane (bytes from the stage base), see the header comment.
-  const uint32_t a_frag_off =
-      ((warp_m * kTcWarpTileM + (lane & 7) + 8 * ((lane >> 3) & 1)) * kTcSmemLd + 4 * (lane >> 4)) *
-      sizeof(float);
-  const uint32_t b_frag_off =
-      (kTcTileAFloats +
-       (warp_n * kTcWarpTileN + (lane & 7) + 8 * (lane >> 4)) * kTcSmemLd + 4 * ((lane >> 3) & 1)) *
-      sizeof(float);
-  constexpr uint32_t kFragRowsBytes = 16 * kTcSmemLd * sizeof(float);  // 16 rows down
-
-  // Two-level accumulation: the mma chain of one K tile (12 mma per element) goes into `acc`, which
-  // is then added into `total` (plain fp32 adds, round to nearest) and cleared. Tensor cores
-  // accumulate with truncation (Fasi et al. 2021): one chain over K = 8192 (3072 mma) would bias
-  // the sums by ~1e-4 relative in a CPU model of that, against ~6e-7 with a flush per K tile.
-  float acc[kTcFragsM][kTcFragsN][4] = {};
-  float total[kTcFragsM][kTcFragsN][4] = {};
-
-  // Prologue: tiles 0 .. kTcStages - 2. One commit per tile slot, even when empty, so that the
-  // group count stays "tile index + 1" and the wait below is exact.
-#pragma unroll
-  for (int s = 0; s < kTcStages - 1; ++s) {
-    if (s < num_k_tiles) load_tile(s, s);
-    cp_async_commit();
-  }
-
-  for (int kt = 0; kt < num_k_tiles; ++kt) {
-    // Groups committed so far: kTcStages - 1 + kt. At most kTcStages - 2 pending => tile kt landed.
-    cp_async_wait<kTcStages - 2>();
-    // All threads' copies of tile kt are visible, and every warp is done with tile kt - 1, whose
-    // stage ((kt - 1) % kTcStages) is refilled next.
-    __syncthreads();
-    {
-      const int next = kt + kTcStages - 1;
-      if (next < num_k_tiles) load_tile(next % kTcStages, next);
-      cp_async_commit();
-    }
-
-    const uint32_t stage_base = smem_base + (kt % kTcStages) * kStageBytes;
-#pragma unroll
-    for (int kk = 0; kk < kTcBlockK / kTcMmaK; ++kk) {
-      const uint32_t k_byte = kk * kTcMmaK * sizeof(float);
-      uint32_t a_big[kTcFragsM][4], a_small[kTcFragsM][4];
-      uint32_t b_big[kTcFragsN][2], b_small[kTcFragsN][2];
-#pragma unroll
-      for (int mt = 0; mt < kTcFragsM; ++mt) {
-        uint32_t r[4];
-        ldmatrix_x4(r, stage_base + a_frag_off + mt * kFragRowsBytes + k_byte);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) split_tf32(r[e], a_big[mt][e], a_small[mt][e]);
-      }
-#pragma unroll
-      for (int np = 0; np < kTcFragsN / 2; ++np) {
-        uint32_t r[4];
-        ldmatrix_x4(r, stage_base + b_frag_off + np * kFragRowsBytes + k_byte);
-        split_tf32(r[0], b_big[2 * np][0], b_small[2 * np][0]);
-        split_tf32(r[1], b_big[2 * np][1], b_small[2 * np][1]);
-        split_tf32(r[2], b_big[2 * np + 1][0], b_small[2 * np + 1][0]);
-        split_tf32(r[3], b_big[2 * np + 1][1], b_small[2 * np + 1][1]);
-      }
-      mma_3xtf32_grid(acc, a_big, a_small, b_big, b_small);
-    }
-    flush_into_total(total, acc);
-  }
-  cp_async_wait<0>();  // only empty groups can remain; drained for tidiness
-
-  // Store the fp32 tile: c0, c1 at (g, 2t), (g, 2t + 1); c2, c3 eight rows down.
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  float* out = p.partial + split * p.split_stride;
-  const bool even_n = (p.n % 2) == 0;
-#pragma unroll
-  for (int mt = 0; mt < kTcFragsM; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t m = m0 + warp_m * kTcWarpTileM + mt * kTcMmaM + g + 8 * h;
-      if (m >= p.rows) continue;
-      float* out_row = out + m * p.n;
-#pragma unroll
-      for (int nt = 0; nt < kTcFragsN; ++nt) {
-        const int64_t col = n0 + warp_n * kTcWarpTileN + nt * kTcMmaN + 2 * t;
-        store_partial_pair(out_row, col, p.n, even_n, total[mt][nt][2 * h],
-                           total[mt][nt][2 * h + 1]);
-      }
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------------
 // 17 to 32 batch rows: 3xTF32 split-K GEMV on tensor cores (mma.sync m16n8k8).
 //
 // Past 16 rows the SIMT GEMV takes a second 16-row batch tile (the weight read twice) and the
@@ -773,24 +347,6 @@ __global__ void __launch_bounds__(kTcThreads, 1) tf32x3_splitk_kernel(const Gemm
 // GEMV's exact float32 FMAs (docs/input_classes.md).
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kTcGemvThreads = 256;
-constexpr int kTcGemvWarps = kTcGemvThreads / 32;
-constexpr int kTcGemvRowFrags = 4;                                // n tiles of 8 weight rows
-constexpr int kTcGemvRowsPerCta = kTcGemvRowFrags * kTcMmaN;      // 32
-constexpr int kTcGemvBatchFrags = 2;                              // m tiles of 16 batch rows
-constexpr int kTcGemvBatchTile = kTcGemvBatchFrags * kTcMmaM;     // 32
-constexpr int kTcGemvSegmentK = 16;                               // 4 lanes x float4
-constexpr int kTcGemvChunkK = 32;                                 // one 128-byte line per row
-constexpr int kTcGemvSegments = kTcGemvChunkK / kTcGemvSegmentK;  // 2
-constexpr int kTcGemvSplitK = kTcGemvWarps * kTcGemvChunkK;       // split granularity, 256
-// A stage: the chunk of every weight row and batch row, [tile row][8 pieces of 16 bytes].
-constexpr int kTcGemvTileRows = kTcGemvRowsPerCta + kTcGemvBatchTile;
-constexpr int kTcGemvStageBytes = kTcGemvTileRows * kTcGemvChunkK * 4;  // 8 KB
-// 3 stages x 8 warps x 8 KB = 192 KB: one CTA per SM, two stages (128 KB, half of it weight) in
-// flight per SM (Hopper; devices with less shared memory per block keep the SIMT GEMV and the
-// wgmma GEMM).
-constexpr int kTcGemvStages = 3;
-constexpr int kTcGemvSmemBytes = kTcGemvWarps * kTcGemvStages * kTcGemvStageBytes;
 
 __global__ void __launch_bounds__(kTcGemvThreads, 1) tf32x3_gemv_splitk_kernel(const GemmParams p) {
   constexpr int kStageF4 = kTcGemvStageBytes / 16;
@@ -938,5 +494,83 @@ __global__ void __launch_bounds__(kTcGemvThreads, 1) tf32x3_gemv_splitk_kernel(c
 }
 
 }  // namespace forward_gemm
+
+// ------------------------------------------------------------------------------------------------
+// Host side.
+// ------------------------------------------------------------------------------------------------
+
+void configure_gemv_kernels(int device, int max_smem_optin, DeviceLimits& limits) {
+  for_each_value<fg::kRowwiseBatches>([&](auto batch) {
+    constexpr int kBatch = decltype(batch)::value;
+    constexpr int kSmem = fg::rowwise_smem_bytes(kBatch);
+    TORCH_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the row-parallel GEMV needs ",
+                kSmem, " bytes of shared memory per block, the device offers ", max_smem_optin);
+    set_max_dynamic_smem(fg::rowwise_gemv_kernel<kBatch>, kSmem);
+  });
+  for (int i = 0; i < fg::kNumSimtBatchTiles; ++i) {
+    dispatch_value<fg::kSimtBatchTiles>(i, [&](auto tile) {
+      constexpr int kTile = decltype(tile)::value;
+      constexpr int kSmem = fg::simt_smem_bytes<kTile>();
+      TORCH_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the GEMV kernel needs ",
+                  kSmem, " bytes of shared memory per block, the device offers ", max_smem_optin);
+      set_max_dynamic_smem(fg::simt_splitk_kernel<kTile>, kSmem);
+      limits.simt_ctas_per_sm[i] =
+          resident_ctas_per_sm(fg::simt_splitk_kernel<kTile>, fg::kSimtThreads, kSmem);
+      TORCH_CHECK(limits.simt_ctas_per_sm[i] >= 1,
+                  "fused_pool_gelu.forward: the GEMV kernel cannot run on device ", device);
+    });
+  }
+  if (fg::kTcGemvSmemBytes <= max_smem_optin) {
+    set_max_dynamic_smem(fg::tf32x3_gemv_splitk_kernel, fg::kTcGemvSmemBytes);
+    limits.tc_gemv_ctas_per_sm = resident_ctas_per_sm(fg::tf32x3_gemv_splitk_kernel,
+                                                      fg::kTcGemvThreads, fg::kTcGemvSmemBytes);
+  }
+}
+
+void launch_rowwise_gemv(const GemmOperands& ops, float* dot_products, int64_t batch, int64_t n,
+                         int64_t k_padded, cudaStream_t stream) {
+  const unsigned ctas = grid_blocks(n, fg::kRowwiseRows, "weight rows");
+  const fg::GemmParams p = gemm_params(ops, dot_products, batch, n, k_padded, k_padded, 0, batch);
+  TORCH_CHECK(batch <= fg::kRowwiseMaxBatch,
+              "fused_pool_gelu.forward: internal error: no row-parallel GEMV for ", batch, " rows");
+  dispatch_value<fg::kRowwiseBatches>(
+      smallest_at_or_above<fg::kRowwiseBatches>(batch), [&](auto rows) {
+        constexpr int kBatch = decltype(rows)::value;
+        fg::rowwise_gemv_kernel<kBatch>
+            <<<ctas, fg::kRowwiseThreads, fg::rowwise_smem_bytes(kBatch), stream>>>(p);
+      });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_simt_gemv(const SimtPlan& plan, const GemmOperands& ops, float* partial,
+                      int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
+  const unsigned n_tiles = grid_blocks(n, fg::kSimtRowsPerCta, "weight rows");
+  // Batch tiles go on grid z (at most 65535): larger batches (only on devices without the
+  // tensor-core kernel) are launched in slices of rows.
+  const int64_t rows_per_launch = kMaxGridYZ * plan.batch_tile;
+  dispatch_value<fg::kSimtBatchTiles>(plan.tile_index, [&](auto tile) {
+    constexpr int kTile = decltype(tile)::value;
+    for (int64_t row0 = 0; row0 < batch; row0 += rows_per_launch) {
+      const fg::GemmParams p = gemm_params(ops, partial, batch, n, k_padded,
+                                           plan.split_k.k_per_split, row0, rows_per_launch);
+      const dim3 grid(n_tiles, static_cast<unsigned>(plan.split_k.splits),
+                      static_cast<unsigned>(ceil_div(p.rows, int64_t{kTile})));
+      fg::simt_splitk_kernel<kTile>
+          <<<grid, fg::kSimtThreads, fg::simt_smem_bytes<kTile>(), stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
+void launch_tc_gemv(const SplitK& plan, const GemmOperands& ops, float* partial, int64_t batch,
+                    int64_t n, int64_t k_padded, cudaStream_t stream) {
+  const unsigned n_tiles = grid_blocks(n, fg::kTcGemvRowsPerCta, "weight rows");
+  const fg::GemmParams p =
+      gemm_params(ops, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
+  const dim3 grid(n_tiles, static_cast<unsigned>(plan.splits),
+                  static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcGemvBatchTile})));
+  fg::tf32x3_gemv_splitk_kernel<<<grid, fg::kTcGemvThreads, fg::kTcGemvSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 }  // namespace cuda
 }  // namespace fused_pool_gelu
