@@ -114,8 +114,7 @@ def _parse(argv):
     p.add_argument("--pool", "-k", type=_positive_int, default=16,
                    help="pool kernel size (default 16)")
     # Finite: the check compares with Model, which a non-finite scale turns into NaN / Inf outputs
-    # and, through its dense backward, NaN gradients where ours has none (README "Non-finite
-    # values").
+    # and, through its dense backward, NaN gradients where ours has none (docs/input_classes.md).
     p.add_argument("--scale", type=_finite_float, default=2.0, help="scale factor (default 2.0)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--seed", type=_seed, default=0,

@@ -25,10 +25,10 @@
 #   racecheck and initcheck leave out the float16 / bfloat16 forward (in sanitize_case.py, whose
 #     half-type fold and backward run under them, and the half-type tests, each of which runs the
 #     half forward): its z comes from cuBLAS's tensor-core GEMM, whose writes initcheck does not
-#     see (our epilogue's every read of z reported uninitialized, 2026-12-01; the same for PyTorch's
-#     avg_pool2d after a cuBLAS half GEMM in the half reference Model, 2026-11-29), and racecheck
-#     aborts on it ("The Sanitizer failed to handle a hardware exception", 2026-12-01 in the half
-#     forward, 2026-11-29 in PyTorch's pooling forward). memcheck and synccheck run it; the
+#     see (our epilogue's every read of z is reported uninitialized, as is PyTorch's avg_pool2d
+#     after a cuBLAS half GEMM in the half reference Model), and racecheck aborts on it ("The
+#     Sanitizer failed to handle a hardware exception", in the half forward and in PyTorch's
+#     pooling forward). memcheck and synccheck run it; the
 #     epilogue instance it runs differs from the float32 ones in its output type only.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -53,7 +53,8 @@ def _cuda_skip_reason():
 CUDA_SKIP_REASON = _cuda_skip_reason()
 
 
-# The dtypes the CUDA kernels compute in (README "dtypes"); float64 (gradcheck) is CPU-only.
+# The dtypes the CUDA kernels compute in (README, "Supported, and not"); float64 (gradcheck) is
+# CPU-only.
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -118,7 +119,7 @@ def _preactivation64(x, weight, bias):
 def _values64(x, weight, bias, scale):
     """scale * gelu(z) in float64 (exact erf GELU): [B, N]; the output is its row max.
 
-    A non-finite pre-activation (Inf or NaN) gives NaN, as README "Non-finite values" documents,
+    A non-finite pre-activation (Inf or NaN) gives NaN, as docs/input_classes.md documents,
     so that torch.max over these values (NaN wins, first index) is the documented answer.
     """
     z = _preactivation64(x, weight, bias)
@@ -310,7 +311,7 @@ def kernels_run():
 
 @pytest.fixture
 def capture_graph():
-    """fused_pool_gelu.measure.capture_cuda_graph: (graph, fn's outputs, computed by each replay)."""
+    """measure.capture_cuda_graph: (graph, fn's outputs, computed by each replay)."""
     return capture_cuda_graph
 
 

@@ -1,7 +1,7 @@
-"""The certified forward (csrc/cuda/forward.cu: on sm_90a the default from kCertifiedMinBatch =
-513 rows, 257 with a prepared weight, and with one also from 33 rows to one row per SM, on weights
-large enough (see the tests of the switch below); FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it
-applies):
+"""The certified forward (csrc/cuda/forward_plan.h's use_certified: on sm_90a the default from
+kCertifiedMinBatch = 513 rows, 257 with a prepared weight, and with one also from 33 rows to one
+row per SM, on weights large enough (see the tests of the switch below);
+FUSED_POOL_GELU_CERTIFIED=1 forces it wherever it applies):
 a single-pass GEMM on scaled fp16 copies of the rows with a proven error bound, then float32
 rescoring of the columns that may still hold each row's maximum.
 
@@ -126,10 +126,10 @@ def _check_each_row_at_its_own_scale(ref, out, argmax, preactivation, x, weight,
 # Default shape, odd sizes (B > 32: the tensor-core range), K = 65536, the widest layer the
 # selection serves (N = 4096, 16 n tiles), 9 m tiles. Batches of at most one row per SM (132 on the
 # H200) take pass 1's 128-wide tiles and the fused selection and rescoring (up to 32 splits), larger
-# ones the 256-wide tiles and the two kernels (up to 8); pass 1's splits on the H200 (forward.cu's
-# planner), in order: 8, 1, 1, 5, 32, 2, 1, 5, 7, 10, 12, 2, 4, 4, 3. So the fused kernel runs at
-# every split bound (1, 2, 4, 8, 16, 32) and the selection kernel at 1, 2, 4 and 8, with and
-# without loads past the last split (load_split_partials).
+# ones the 256-wide tiles and the two kernels (up to 8); pass 1's splits on the H200
+# (forward_plan.h's plan_certified), in order: 8, 1, 1, 5, 32, 2, 1, 5, 7, 10, 12, 2, 4, 4, 3.
+# So the fused kernel runs at every split bound (1, 2, 4, 8, 16, 32) and the selection kernel at
+# 1, 2, 4 and 8, with and without loads past the last split (load_split_partials).
 SHAPES = [
     (1024, 8192, 512),
     (33, 4, 1),
@@ -352,7 +352,7 @@ def test_huge_and_tiny_magnitudes(magnitude, run_certified, make_inputs, check_f
         stats = (int((counts == -1).sum()), float(counts[counts >= 0].float().mean()))
         assert bool((counts != -1).all()), stats
         assert float(counts.float().mean()) <= 4, stats
-    # At 1e-30 the scale exponent stops at 63 (forward_certified.cuh, kMaxScaleExponent): the
+    # At 1e-30 the scale exponent stops at 63 (certified.cuh, kMaxScaleExponent): the
     # scaled rows fall below fp16's normal range, their copies are zero, their residuals are the
     # rows themselves, and the bound lets most columns through (rescored whole, still exact).
 
@@ -478,7 +478,7 @@ def test_rows_with_inf_or_nan(batch, pooled, run_certified, make_inputs, check_f
 
 def test_rows_of_every_candidate_count_interleaved(run_certified, make_inputs, check_forward):
     # The rescoring takes the rows in the selection's order (rows with 2+ candidates and whole
-    # rows first: kRescoreHeavyCandidates in forward_certified.cuh), not in row order: rows with
+    # rows first: kRescoreHeavyCandidates in certified.cuh), not in row order: rows with
     # one, several and every column as candidates, interleaved at random, each get their own
     # answer. Columns 7, 20 and 33 are copies that only feature 0 separates from the rest: rows
     # with a large x[:, 0] tie between them (3+ candidates), the others select as usual, and rows

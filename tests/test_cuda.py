@@ -4,7 +4,7 @@ the default shape and batch sweep, 64-bit indexing, odd shapes and misaligned po
 Everything here is marked ``cuda`` and skips cleanly without a GPU or without compiled CUDA
 kernels (conftest.py). The device-parametrized tests of the other files also run on "cuda".
 
-Accuracy contract (DESIGN.md / issue 3): ||out - ref64|| / ||ref64|| <= 1e-6 and
+Accuracy contract (docs/design.md): ||out - ref64|| / ||ref64|| <= 1e-6 and
 allclose(out, Model float32, atol=rtol=1e-4). The float32 reference runs with IEEE float32
 matmuls (no TF32) so that it is the reference the contract means.
 """
@@ -192,7 +192,7 @@ def test_odd_shapes_backward_matches_float64_at_the_chosen_argmax(
         torch.testing.assert_close(ours.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
 
 
-# Past 16 MB (4M floats) of split-K workspace, the forward runs in slices of rows (forward.cu,
+# Past 16 MB (4M floats) of split-K workspace, the forward runs in slices of rows (forward_plan.h,
 # kMaxWorkspaceFloats): tensor-core slices of 1024 rows and a 52-row tail, GEMV slices of 20 rows,
 # row-parallel slices of 2 rows and a 1-row tail.
 WORKSPACE_BOUND_BYTES = 16 << 20
@@ -315,7 +315,7 @@ def test_hopper_runs_the_wgmma_gemm_and_the_knob_selects_mma_sync(
     assert any("wgmma" in n for n in names), names
     # The SIMT GEMV serves up to 16 rows, and from 17 to 32 on weights of at most 2^21 floats
     # (128 x 16384 exactly). Over that the tensor-core GEMV serves where its grid keeps 75% of the
-    # SMs busy (forward.cu, kSimtMaxBatchWgmma): N x K = 512 x 8192 gives it 128 CTAs (16 row
+    # SMs busy (forward_plan.h, kSimtMaxBatchWgmma): N x K = 512 x 8192 gives it 128 CTAs (16 row
     # tiles x 8 splits), 128 x 16400 132 (4 x 33), but 512 x 4100 only 96 (the splits rounded to
     # 256 floats: 6), and that weight goes to the wgmma GEMM, whose grid fills the GPU. Under the
     # knob below, 256 x 1024 stays on the SIMT GEMV.
@@ -361,10 +361,10 @@ def test_debug_knobs_are_read_once_until_reloaded(
 
 # The SIMT GEMV's split count at B = 8 and N <= 16 is K / 256 (one 256-float chunk per split, up to
 # one wave of CTAs): 1, 2, 3, 5, 8, 48, 64 and 256 splits, so the epilogue runs at its split bounds
-# 1, 2, 4, 8 and 64 (forward.cu: all loads at once, clamped past the last split) and in batches past
-# 64 splits. The bound 32 also runs in the odd shapes above (B = 3, K = 4099, N <= 3: 17 splits),
-# 16 and 32 at the default shape in test_batch_sweep_meets_the_accuracy_contract (B = 16: 16
-# splits; B = 128: the 3xTF32 GEMM's 32).
+# 1, 2, 4, 8 and 64 (epilogue.cu: all loads at once, clamped past the last split) and in batches
+# past 64 splits. The bound 32 also runs in the odd shapes above (B = 3, K = 4099, N <= 3: 17
+# splits), 16 and 32 at the default shape in test_batch_sweep_meets_the_accuracy_contract (B = 16:
+# 16 splits; B = 128: the 3xTF32 GEMM's 32).
 EPILOGUE_SPLITS = [256, 512, 768, 1280, 2048, 12288, 16384, 65536]
 
 
@@ -382,8 +382,8 @@ def test_epilogue_at_every_split_bound_matches_float64(in_features, make_inputs,
     assert _pooled_relative_error(out, x, weight, bias, 2.0) <= 1e-6
 
 
-# The epilogue's wide-row CTAs (forward.cu: 1024 threads per row for N >= 1024 at 1-8 splits), at
-# each of their split bounds and with N tails, and the 256-thread CTA just below: (batch,
+# The epilogue's wide-row CTAs (forward_plan.h: 1024 threads per row for N >= 1024 at 1-8 splits),
+# at each of their split bounds and with N tails, and the 256-thread CTA just below: (batch,
 # in_features, pooled, CTA threads, the split bounds its plan may take).
 WIDE_ROW_SHAPES = [
     (2, 300, 1025, 1024, {1}),        # row-parallel GEMV: one split
@@ -487,8 +487,8 @@ def test_tensor_core_gemms_match_float64(
 
 
 # 3xTF32 keeps up to ~2^-20 relative error per product (16-48x float32's), and an output of a few
-# rows averages little of it away: a CPU simulation of the split (NOTES, 17:42 UTC on 2026-11-30,
-# the tensor cores' truncating accumulation not modelled) found at most 4.8-7.0e-7 at B = 17-64,
+# rows averages little of it away: a CPU simulation of the split (research/README.md, the tensor
+# cores' truncating accumulation not modelled) found at most 4.8-7.0e-7 at B = 17-64,
 # N <= 3, a ~1.4x margin under the 1e-6 contract. From 33 rows every weight takes a 3xTF32 GEMM, so
 # this sweeps that edge on the GPU (both GEMMs where the device has both), 40 seeds per shape.
 @pytest.mark.profiler
@@ -667,7 +667,7 @@ HALF_SHAPES = [  # (B, K, N)
 
 
 def _expected_half_slices(batch, in_features, pooled):
-    """forward.cu's half_gemm_splits for contiguous operands and a batch within one slice of rows:
+    """forward_plan.h's half_gemm_splits for contiguous operands and a batch in one slice of rows:
     from 512 rows and N % 4 == 0, the most slices of K (up to 4) for which 128 x 128 output tiles
     x slices fit the SMs, each slice at least 2048 wide and starting 16 bytes after the last."""
     if batch < 512 or pooled % 4:

@@ -522,7 +522,7 @@ def test_nan_makes_the_output_nan_at_the_first_nan_index(
         assert bool((argmax == 5).all())
 
 
-# README "Non-finite values": a row holding any non-finite pre-activation gives NaN, with the
+# docs/input_classes.md: a row holding any non-finite pre-activation gives NaN, with the
 # arg-max at its first non-finite column. (case, the row(s) affected, the expected arg-max there).
 INF_CASES = {
     "x_inf_positive_column": ([2], 0),  # every z of row 2 is +inf

@@ -286,7 +286,7 @@ def test_products_overflowing_float32_give_nan_rows_where_the_reference_gives_na
     device, make_inputs
 ):
     # Rows 1 and 4 of x and the rows of pooled feature 2 are 1e30: their products (1e60) overflow,
-    # so z[1, 2] and z[4, 2] are not finite (README "Non-finite values": NaN rows, arg-max there).
+    # so z[1, 2] and z[4, 2] are not finite (docs/input_classes.md: NaN rows, arg-max there).
     # Every other pre-activation is finite, 1e29 .. 1e31 where one factor is huge.
     x, weight, bias = make_inputs(8, 32, 24, torch.float32, device)
     x[[1, 4]] *= 1e30
@@ -328,7 +328,7 @@ def test_gelu_of_a_preactivation_above_half_the_float32_range_stays_finite(devic
 def test_non_finite_x_gives_nan_gradients_only_in_its_row_and_its_arg_max_group(
     value, device, make_inputs
 ):
-    # README "Non-finite values": row 3 is NaN with its arg-max at its first non-finite column;
+    # docs/input_classes.md: row 3 is NaN with its arg-max at its first non-finite column;
     # gradients flow through that column only, so NaN reaches grad_x[3] and the k rows of that
     # group in grad_weight / grad_bias, and every other entry is the gradient of the other rows.
     x, weight, bias = make_inputs(8, 32, 24, torch.float32, device)
