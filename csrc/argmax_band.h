@@ -1,5 +1,5 @@
 // Which columns of a row can hold its maximum of scale * gelu(z), shared by the CPU forward
-// (cpu/forward.cpp, best_column_of_row) and the CUDA epilogue's warp per row (cuda/forward.cu):
+// (cpu/forward.cpp, best_column_of_row) and the CUDA epilogue's warp per row (cuda/epilogue.cu):
 // both evaluate the GELU (an erf) only on a band of columns below the row's largest z where that
 // provably gives the bits of evaluating every column and taking torch.max's rule (the first maximum
 // wins ties, the first NaN beats everything), and every column otherwise.

@@ -2,8 +2,8 @@
 //
 // Every message names the argument, what was expected and what came, e.g.
 //   "fused_pool_gelu.forward: x must be 2-D [batch, in_features], got shape [2, 4, 32]".
-// The Python fake kernels (fused_pool_gelu/ops.py) mirror the shape checks so that
-// torch.compile reports the same errors while tracing.
+// Their Python twins (fused_pool_gelu/_checks.py), run by the fake kernels, make torch.compile
+// report the same errors while tracing.
 #pragma once
 
 #include <ATen/core/Tensor.h>

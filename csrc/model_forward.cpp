@@ -2,7 +2,7 @@
 // k), scale), with ONE C++ autograd node for ModelNew's training path.
 //
 // Through the separate ops each training step crosses into Python four times (the autograd
-// formulas of fold and forward_with_argmax, registered in ops.py, run once forward and once
+// formulas of fold and forward_with_argmax, registered in _autograd.py, run once forward and once
 // backward) and records two graph nodes. Here the forward calls fold and forward_with_argmax below
 // autograd and saves what the arg-max backward needs; the backward calls model_backward
 // (forward_backward then fold_backward in one op: on CUDA it skips the pooled gradient's zero rows)

@@ -34,7 +34,7 @@ static at::Tensor forward_kernel(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // forward's autograd kernel. When a gradient is needed it goes through forward_with_argmax, whose
-// derivative is registered in Python (ops.py); otherwise it dispatches straight to the device
+// derivative is registered in Python (_autograd.py); otherwise it dispatches straight to the device
 // kernel, skipping the Python autograd layer: microseconds that matter at small batch.
 static at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                    const c10::optional<at::Tensor>& bias, double scale,
@@ -109,9 +109,9 @@ TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
 // whose own check_no_tangent then sees none: without a check at these keys an op without a
 // forward-mode formula, as these are, returns a tangent of zeros with no error. forward and
 // model_forward check in their C++ autograd kernels (whose calls below autograd skip this key);
-// the ops whose autograd kernels are Python's (register_autograd in ops.py) check here, one key
-// below them. Inputs without a tangent (constants inside a transform) pass: their result's zero
-// tangent is the right one.
+// the ops whose autograd kernels are Python's (register_autograd in _autograd.py) check here, one
+// key below them. Inputs without a tangent (constants inside a transform) pass: their result's
+// zero tangent is the right one.
 static void refuse_tangents(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                             torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();

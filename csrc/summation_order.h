@@ -13,7 +13,8 @@
 namespace fused_pool_gelu {
 
 // 32: a tile's rows are one load each of a block's threads in flight at once (32 registers), and
-// a segment of n rows is n / 32 tiles side by side (backward.cu, kSegmentThreads, has the timings).
+// a segment of n rows is n / 32 tiles side by side (research/README.md, "Backward and training
+// step").
 constexpr int kSegmentTileRows = 32;
 
 }  // namespace fused_pool_gelu

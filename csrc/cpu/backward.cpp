@@ -1,4 +1,4 @@
-// CPU arg-max backward of forward_with_argmax (DESIGN.md, "Backward").
+// CPU arg-max backward of forward_with_argmax (docs/design.md, "The backward").
 //
 // Only the arg-max column of each row carries gradient:
 //   dz[b]          = grad_out[b] * scale * gelu'(z[b, j*]) + grad_preactivation[b]

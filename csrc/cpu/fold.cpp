@@ -26,7 +26,7 @@ constexpr int64_t kPoolColumns = 16;
 
 // Means of the k rows of `group` (row stride `stride`) over its first `width` <= kPoolColumns
 // columns, into `out`: each column summed over the rows in order, then divided by k. The sums stay
-// in registers while the rows stream past (a loop over whole rows stored and reloaded them for
+// in registers while the rows stream past (a loop over whole rows would store and reload them for
 // every row: a 32 KB row at K = 8192 does not stay in L1). A half type is summed and divided in
 // float32 and rounded once: the float32 kernel's answer on the widened values, without the
 // whole-matrix copies to float32 and back (a 256 MB float32 weight at the default shape).

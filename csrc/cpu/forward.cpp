@@ -26,10 +26,9 @@ namespace fused_pool_gelu {
 namespace {
 
 // Rows per GEMM block: as many as keep the block's [rows, N] product within kProductBytes (the
-// CUDA forward's workspace bound, kMaxWorkspaceFloats in cuda/forward.cu), and at least
+// CUDA forward's workspace bound, kMaxWorkspaceFloats in cuda/forward_plan.h), and at least
 // kMinRowsPerBlock. Each block's GEMM reads the whole pooled weight again, which fewer blocks read
-// fewer times: at K = 8192, N = 512, B = 1024 (16 MB of weight) one block of 1024 rows took 48 ms
-// on two cores, four of 256 rows 56.
+// fewer times (research/README.md, "CPU path (2-core EPYC)").
 constexpr int64_t kProductBytes = int64_t{16} << 20;
 constexpr int64_t kMinRowsPerBlock = 256;
 
@@ -41,7 +40,7 @@ int64_t rows_per_block(int64_t pooled, int64_t element_bytes) {
 // through the unpooled rows (the mean of +Inf and -Inf rows is NaN there, a finite weight mean
 // here), and torch's GELU maps -Inf to NaN but +Inf to +Inf: a pre-activation that is +-Inf here
 // may be finite, of the other sign or NaN there, so no Inf result could be matched in general;
-// NaN says that the row overflowed. See "Non-finite values" in README.md.
+// NaN says that the row overflowed. See docs/design.md, "Non-finite values".
 template <typename scalar_t>
 scalar_t activation(scalar_t z, scalar_t scale) {
   if (!std::isfinite(z)) return std::numeric_limits<scalar_t>::quiet_NaN();
@@ -124,8 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
 
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
   // BLAS sees contiguous operands whatever the caller's layout (stride-0 or overlapping rows): a
-  // view and its contiguous copy then give the same bits. Given the view itself, at::mm took
-  // another kernel on an AMD EPYC host (the rows' sums rounded differently) and not on others.
+  // view and its contiguous copy then give the same bits. Given the view itself, at::mm may take
+  // another kernel (on an AMD EPYC host it does, and the rows' sums round differently).
   const at::Tensor weight_t = weight.contiguous().t();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "forward_with_argmax_cpu", [&] {
     const scalar_t s = static_cast<scalar_t>(scale);
@@ -189,9 +188,9 @@ at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
       }
       // sqrt(sum + K 2^-148) 2^-e, rounded up to float: the CUDA kernel's floor for what float
       // loses below its normal range (here in v[i] * scale itself, at most 2^-149 per value:
-      // forward_certified.cuh's top), and a slack above the double sum's K roundings and the four
-      // after it (gamma_{K+4}(2^-53), doubled). Without the floor a value that underflowed once
-      // scaled (2^-149 in a row whose largest is 2^77) left a residual norm of 0.
+      // cuda/certified.cuh's top), and a slack above the double sum's K roundings and the four
+      // after it (gamma_{K+4}(2^-53), doubled). Without the floor a value that underflows once
+      // scaled (2^-149 in a row whose largest is 2^77) would leave a residual norm of 0.
       const double squares_floor = static_cast<double>(k) * kNormSquaresFloorPerTerm;
       const double slack = 1.0 + (static_cast<double>(k) + 4.0) * 0x1p-52;
       auto norm = [&](double sum) {

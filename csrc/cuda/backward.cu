@@ -1,5 +1,5 @@
-// forward_backward on CUDA: the arg-max backward of forward_with_argmax (DESIGN.md, "Backward:
-// only the arg-max carries gradient"). No GEMM, only O(B*K + N*K) memory traffic:
+// forward_backward on CUDA: the arg-max backward of forward_with_argmax (docs/design.md, "The
+// backward: only the arg-max carries gradient"). No GEMM, only O(B*K + N*K) memory traffic:
 //
 //   dz[b]          = grad_out[b] * scale * gelu'(preactivation[b]) + grad_preactivation[b]
 //                    (each term only when given; fp32, scale rounded to float first)
@@ -59,8 +59,7 @@ constexpr int kGatherVectorsPerLane = 4;
 // contiguous bytes of a row, a block 1 KB), with all of a thread's loads in flight at once (32
 // registers). Fixed tiles, not segments, are the unit of work: every block has the same few rows,
 // and a segment of n rows is n / 32 blocks side by side instead of one chain of n dependent adds
-// per column (the earlier kernel, one chain per column and segment: 47.9 / 179.2 us at B = 1024 /
-// 4096 with all rows in one segment, 15.9 + 10.4 / 47.2 + 31.5 for these two: benchmarks/NOTES.md).
+// per column (research/README.md, "Backward and training step").
 constexpr int kSegmentThreads = 256;
 static_assert(kSegmentTileRows + 2 <= kSegmentThreads, "one thread stages each row of a tile");
 
@@ -79,8 +78,7 @@ constexpr int kGroupThreads = 512;
 constexpr int kGroupItemsPerThread = 8;
 constexpr int kGroupTileRows = kGroupThreads * kGroupItemsPerThread;
 // Batches up to kGroupThreads * kGroupSmallItemsPerThread rows are sorted as a tile of that size:
-// the sort's cost follows the tile, not the batch (a 4096-row tile for B = 128 took the grouping
-// ~10 us, benchmarks/NOTES.md).
+// the sort's cost follows the tile, not the batch: a small batch takes a small tile.
 constexpr int kGroupSmallItemsPerThread = 2;
 
 // grad_x runs in the grouping's launch (group_rows_and_grad_x_kernel), so at its block size: 16
@@ -385,9 +383,9 @@ __device__ __forceinline__ void group_rows(const GroupRowsArgs<scalar_t>& a) {
 }
 
 // One launch, two independent jobs: block 0 groups the rows (group_rows), blocks 1 .. gather grad_x
-// (gather_grad_x; none when in_features == 0). Launched one after the other, the grouping ran alone
-// on one SM for 10 us at B = 1024 (profile_train.py) with the other 131 idle, then the gather; here
-// the gather fills the other SMs meanwhile, and block 0, the first one scheduled, starts at once. A
+// (gather_grad_x; none when in_features == 0). Launched one after the other, the grouping would run
+// alone on one SM (~10 us at B = 1024) with the others idle, then the gather; here the gather
+// fills the other SMs meanwhile, and block 0, the first one scheduled, starts at once. A
 // second stream would overlap them too, at the price of an event fork and join on the host in
 // every step. Both jobs read only the call's inputs, so neither waits for the other.
 // Two blocks per SM (64 registers) for the gather's bytes in flight; ptxas then spills 112 bytes,
@@ -533,8 +531,8 @@ __global__ void __launch_bounds__(kSegmentThreads)
 // has exactly one such block), over columns chunk * kSegmentThreads + t. Its sum, left to right:
 // pieces[t0][1] (its rows in t0) + pieces[t0 + 1][0] + ... + pieces[t1][0] (the first segment of
 // every later tile it reaches), kPieceBatch loads in flight. Segments inside one tile were written
-// by segment_tiles_kernel. The spanning segments are summed side by side, one block each: a block
-// that walked 32 segments in turn took 8 us at B = 1024 (benchmarks/NOTES.md).
+// by segment_tiles_kernel. The spanning segments are summed side by side, one block each, not in
+// turn by one block.
 // With zero_empty_segments (forward_backward: every pooled row is an output), zero_groups more
 // blocks come first (scheduled first, so that they overlap the sums instead of trailing them):
 // block (g, chunk) writes zeros to the empty segments among g * kZeroSegments .. (g + 1) *
@@ -588,8 +586,7 @@ __global__ void __launch_bounds__(kSegmentThreads)
     float piece[kPieceBatch];
     float bias_piece[kPieceBatch];
     // Tiles past t1 clamped to t1 (loaded, not added), not skipped: with a predicate per load,
-    // ptxas placed each load after the previous add, one round trip per piece (SASS; 42.9 us for a
-    // segment of 128 pieces at B = 4096).
+    // ptxas places each load after the previous add, one round trip per piece.
 #pragma unroll
     for (int u = 0; u < kPieceBatch; ++u) {
       const int64_t piece_tile = t + u <= t1 ? t + u : t1;

@@ -29,7 +29,7 @@ struct PrepareParams {
   int64_t copy_halves;    // prepared_copy_halves(k_padded), a multiple of 64
   __half* copy;           // [n, copy_halves] (prepared_weight.h)
   float4* trailers;       // [n]
-  float squares_floor;    // forward.cu's norm_constants
+  float squares_floor;    // certified.cuh's norm_constants
   float norm_slack;
 };
 
@@ -126,8 +126,7 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const PreparePar
 // over the warp: the bound needs only an upper bound of their sum, which rounding every addition
 // of non-negative terms up gives in any order, and both lanes of a pair compute the same sum
 // (addition commutes, its rounding too), so every lane ends with the same bits. A sum in split
-// order (lane s's term broadcast, then added) was 32 dependent shuffle-and-add steps per sum:
-// 13% of select_rescore_kernel's stall samples at B = 128 (NOTES, 2026-12-01).
+// order would be 32 dependent shuffle-and-add steps per sum.
 // One lane per split: at most 32 (static_assert at kFusedMaxSplits).
 __device__ __forceinline__ Norms x_row_norms(const SelectParams& p, int64_t row, int lane) {
   const bool mine = lane < p.splits;
@@ -135,8 +134,7 @@ __device__ __forceinline__ Norms x_row_norms(const SelectParams& p, int64_t row,
   int exponent = INT_MAX;  // no split: never the smallest
   if (mine) {
     // Row-major by split, so that a warp's 32 lanes read one row's splits in 4 sectors
-    // (split-major, each lane's sum was a sector of its own: 8 times the row's bytes, and 16% of
-    // select_rescore_kernel's stall samples at B = 128 waited on them; Nsight Compute, 2026-12-01).
+    // (split-major, each lane's sum would be a sector of its own: 8 times the row's bytes).
     const int64_t offset = row * p.splits + lane;
     squares = __ldg(p.x_sumsq + offset);
     residual_squares = __ldg(p.x_residual_sumsq + offset);
@@ -170,18 +168,15 @@ __host__ __device__ constexpr int select_smem_bytes(int64_t n) {
 
 // Threads of a selection CTA (one row): 128, 4 columns each at N = 512, 12 CTAs per SM at 40
 // registers. Against 256 threads at 6 per SM, the per-CTA code (the x norms, the block max, the
-// candidate slots) is paid once per 4 columns instead of 2 (Nsight Compute at B = 1024: 4.85 ->
-// 3.52 M warp instructions) and B = 1024's rows fit in one wave (1.29 waves before). Measured on
-// the H200: selection 26.6 -> 17.8 us at B = 4096, 8.8 unchanged at 1024 (Nsight Compute: SMs
-// active ~70% of the kernel's time there either way; NOTES).
+// candidate slots) is paid once per 4 columns instead of 2, and B = 1024's rows fit in one wave
+// (research/README.md, "The certified path: selection").
 constexpr int kSelectThreads = 128;
 constexpr int kSelectWarps = kSelectThreads / 32;
 // Adjacent columns a selection thread takes per loop step (the kernel's template argument): 1,
 // or 4 where N % 4 == 0, each split's four partials then in one 8-byte load and all of the step's
 // loads in flight at once: at N = 512 a thread's whole share in one round trip instead of four.
-// Four need 64 registers, 8 CTAs per SM instead of 12: measured on the H200 (NOTES), selection
-// 8.4 -> 7.0 us at B = 1024, whose rows fit in one wave of 8 per SM, but 19.0 -> 19.6-20.1 at
-// 4096 (3.9 waves instead of 2.6), so four only where the rows fit in one such wave.
+// Four need 64 registers, 8 CTAs per SM instead of 12: faster where the rows fit in one wave of 8
+// per SM (B = 1024), slower past it (B = 4096: 3.9 waves instead of 2.6), so four only there.
 __host__ __device__ constexpr int select_blocks_per_sm(int columns_per_thread) {
   return columns_per_thread == 1 ? 12 : 8;
 }
@@ -231,10 +226,10 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
   Norms x_norms;
   if constexpr (kNormsPerWarp) {
     // The first step's loads (the weight norms and bias too: after the x norms, which wait on
-    // their own loads, they were a round trip of their own) in flight behind the x norms'. Issued
-    // by every thread (a thread past the row's end re-reads its last columns, never used): under
-    // `if (first_column < p.n)` ptxas converted the bfloat16 partials inside the branch, so it
-    // waited for them before the x norms' loads were issued, a round trip of its own (SASS).
+    // their own loads, they would be a round trip of their own) in flight behind the x norms'.
+    // Issued by every thread (a thread past the row's end re-reads its last columns, never used):
+    // under `if (first_column < p.n)` ptxas converts the bfloat16 partials inside the branch, so
+    // it waits for them before the x norms' loads are issued, a round trip of its own.
     load_step(min(first_column, p.n - kColumnsPerThread));
     x_norms = x_row_norms(p, row, lane);
     if (threadIdx.x == 0) scratch.count = 0;  // first used after block_max's barrier
@@ -280,19 +275,17 @@ __device__ __forceinline__ int select_row(const SelectParams& p, int64_t row, fl
   return whole_row || count > kMaxCandidates ? -1 : count;
 }
 
-// One CTA per row, with every load it needs in flight together: the first version (a serial chain
-// of S loads per column for the weight norms) was latency-bound, ~13 us at B = 1024, and one warp
-// per row with batched loads left too few warps to hide the latency (65 us). Here warp 0 first
-// takes the row's x norms (x_row_norms; a kernel of their own cost a launch), passed on through
-// shared memory before the column loop, so that none of that code's registers are live in it. Then
-// the CTA computes each column's interval once (its S split partials loaded at once, the weight's
-// norms from prepare_rows_kernel), keeping its upper end in shared memory, and takes the block max
-// of the lower ends. Each candidate takes its slot in the row's list from a shared counter: the
-// list's order depends on the warps' timing, its contents and count do not, and neither do the
-// rescoring's results (rescore_kernel: every column's arithmetic is the same in any slot, and the
-// arg-max rule orders by value, then index). 40 registers with one column per thread, 64 with four
-// (at 8 splits), no spill. The square roots' slow path (arguments below 2^-101: zero and tiny rows;
-// Inf, NaN) is a call, in warp 0 only.
+// One CTA per row, with every load it needs in flight together (a warp per row leaves too few warps
+// to hide the latency). Here warp 0 first takes the row's x norms (x_row_norms; a kernel of their
+// own would cost a launch), passed on through shared memory before the column loop, so that none of
+// that code's registers are live in it. Then the CTA computes each column's interval once (its S
+// split partials loaded at once, the weight's norms from prepare_rows_kernel), keeping its upper
+// end in shared memory, and takes the block max of the lower ends. Each candidate takes its slot in
+// the row's list from a shared counter: the list's order depends on the warps' timing, its contents
+// and count do not, and neither do the rescoring's results (rescore_kernel: every column's
+// arithmetic is the same in any slot, and the arg-max rule orders by value, then index). 40
+// registers with one column per thread, 64 with four (at 8 splits), no spill. The square roots'
+// slow path (arguments below 2^-101: zero and tiny rows; Inf, NaN) is a call, in warp 0 only.
 template <int kSplitBound, int kColumnsPerThread>
 __global__ void __launch_bounds__(kSelectThreads, select_blocks_per_sm(kColumnsPerThread))
     select_candidates_kernel(const SelectParams p) {
@@ -347,9 +340,8 @@ __device__ __forceinline__ void group_barrier(int group) {
 // every 256th group of 4 floats, then the threads' sums in a fixed tree. Every column's arithmetic
 // is the same whichever slot or group it is in (deterministic, and the same function for every
 // column, which the selection's argument needs). A group holds exactly the row's next columns, no
-// placeholder: most rows have 1-2 candidates (1.74 on average on the benchmarks' data at B =
-// 1024), and a fixed group of 4 read a placeholder weight row for each empty slot (with the
-// earlier bound's 4.05 candidates: 7.5 row reads of 32 KB per row instead of 5.7).
+// placeholder: most rows have 1-2 candidates, and a fixed group of 4 would read a placeholder
+// weight row for each empty slot.
 template <int kColumns, bool kDeepLoads, int kGroups>
 __device__ __forceinline__ void rescore_dots(const RescoreParams& p, const float4* x_row,
                                              const int64_t* cols, float* dots,
@@ -482,10 +474,9 @@ __device__ __forceinline__ void rescore_row(const RescoreParams& p, int64_t row,
 
 // One CTA per row, in the selection's order (heavy rows first, kRescoreHeavyCandidates): the
 // candidates' float32 z, then the arg-max with torch.max's rule. Each CTA waits on L2 most of the
-// time, so residency decides the speed: 64 registers for 4 CTAs per SM (80 and 3 before: rescoring
-// 40.6 -> 34.5 us at B = 1024, 123.7 -> 106.9 at 4096 on the H200). ptxas -v reports 16 bytes of
-// spill stores and 56 of loads at that cap; Nsight Compute counted 75 K local-memory requests at B
-// = 1024, ~0.3 per thread, so none sits in the K loop.
+// time, so residency decides the speed: 64 registers for 4 CTAs per SM (research/README.md, "The
+// certified path: rescoring"). ptxas -v reports 16 bytes of spill stores and 56 of loads at that
+// cap, none of them in the K loop.
 __global__ void __launch_bounds__(kThreads, 4)
     rescore_kernel(const RescoreParams p, float* __restrict__ out, int64_t* __restrict__ argmax,
                    float* __restrict__ preactivation) {
@@ -502,16 +493,13 @@ constexpr int kFusedGroups = 2;
 constexpr int kFusedThreads = kFusedGroups * kThreads;
 
 // The selection and the rescoring of a row by one CTA, for batches of at most one row per SM
-// (forward.cu's certified_fused_rows): the two kernels' CTAs for a row, with the candidates handed
-// over in shared memory instead of global memory and a launch. Alone, each kernel at B = 128 (K =
-// 8192, N = 512, H200) spends its time on one CTA per SM's chain of round trips to L2 (selection
-// ~4 us, rescoring ~7 own); a first fused form with 256 threads took 12.3-12.9 us for both
-// (Nsight Compute: 13.5 cycles per issued instruction at 8 warps per SM, 23% of the samples on
-// the x norms and the barrier after them, 38% on two rounds of 32 split loads per thread; NOTES).
-// So here 512 threads: one column per thread at N = 512 (every split load of the row in one round
-// trip), the x norms taken by every warp while its loads are in flight (select_row's
-// kNormsPerWarp), and two candidates rescored at once (rescore_row's groups). Same arithmetic per
-// column as the two kernels, so the same results, and p.count[row] as the selection writes it.
+// (forward_plan.h's certified_fused_rows): the two kernels' CTAs for a row, with the candidates
+// handed over in shared memory instead of global memory and a launch. One CTA per SM spends its
+// time on chains of round trips to L2, so here 512 threads: one column per thread at N = 512
+// (every split load of the row in one round trip), the x norms taken by every warp while its
+// loads are in flight (select_row's kNormsPerWarp), and two candidates rescored at once
+// (rescore_row's groups). Same arithmetic per column as the two kernels, so the same results, and
+// p.count[row] as the selection writes it.
 template <int kSplitBound>
 __global__ void __launch_bounds__(kFusedThreads, 1)
     select_rescore_kernel(const SelectParams p, const RescoreParams r, float* __restrict__ out,
@@ -604,11 +592,6 @@ struct Selection {
   int* rescore_ends() const { return rescore_counts() + batch; }
 };
 
-// Calls f(std::integral_constant<int, bound>) with the smallest power of two bound at or above
-// splits, kMaxBound for anything above it: the kernels that sum split partials with all their
-// loads at once (sum_few_splits, load_split_partials) are compiled for these bounds (the certified
-// selection, forward_certified.cuh, up to certified::kMaxSplits and its fused select_rescore_kernel
-
 // The selection and the rescoring after pass 1: select_rescore_kernel where `fused`, else
 // select_candidates_kernel and rescore_kernel.
 void launch_selection_and_rescoring(const GemmOperands& ops, const float* bias, float scale,
@@ -634,7 +617,7 @@ void launch_selection_and_rescoring(const GemmOperands& ops, const float* bias, 
         dependent_launch_config(batch, certified::kFusedThreads, stream, attribute,
                                 limits.dependent_launch);
     // Spread like the selection: as pass 1's dependent its CTAs would otherwise pile onto the
-    // few SMs pass 1 leaves free (the 256-thread form at B = 128: 13.3 -> 12.9 us own).
+    // few SMs pass 1 leaves free.
     config.dynamicSmemBytes = spread_smem_bytes(limits, batch, certified::select_smem_bytes(n));
     dispatch_split_bound<certified::kFusedMaxSplits>(
         split_bound_for(select.splits, certified::kFusedMaxSplits), [&](auto split_bound) {

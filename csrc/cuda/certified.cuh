@@ -1,5 +1,6 @@
-// Certified single pass (sm_90a, float32; the default from kCertifiedMinBatch rows, see forward.cu
-// and FUSED_POOL_GELU_CERTIFIED; measurements in benchmarks/NOTES.md): a single-pass fp16 GEMM
+// Certified single pass (sm_90a, float32; the default from kCertifiedMinBatch rows, see
+// forward_plan.h's use_certified and FUSED_POOL_GELU_CERTIFIED; measurements in
+// docs/performance.md, "Certified or 3xTF32"): a single-pass fp16 GEMM
 // gives every z[b, n] up to a proven error bound; only the columns that may still hold the row's
 // maximum are recomputed in float32.
 //
@@ -25,12 +26,12 @@
 //  2. Products of two 11-bit significands are exact in float32, and none is subnormal (normal
 //     fp16 values are multiples of 2^-24 of at least 2^-14, so every sum of their products is 0
 //     or at least 2^-48).
-//  3. Tensor-core accumulation. Model (DESIGN.md's u = 2^-23 for tensor cores; Fasi et al. 2021
-//     measured tensor cores aligning the addends to the largest exponent and truncating): one k8
-//     step adds its 8 products to the accumulator with an error below 10 u (|acc| + sum |p|),
-//     u = 2^-23 (9 aligned addends, one normalization). A k16 step of fp16 wgmma adds its 16
-//     products as one block (17 aligned addends: below 18 u) or as two such k8 steps: either way
-//     within the k8 model applied twice.
+//  3. Tensor-core accumulation. Model (docs/design.md's u = 2^-23 for tensor cores; Fasi et al.
+//     2021 measured tensor cores aligning the addends to the largest exponent and truncating):
+//     one k8 step adds its 8 products to the accumulator with an error below 10 u (|acc| +
+//     sum |p|), u = 2^-23 (9 aligned addends, one normalization). A k16 step of fp16 wgmma adds
+//     its 16 products as one block (17 aligned addends: below 18 u) or as two such k8 steps:
+//     either way within the k8 model applied twice.
 //     A chain of m k8 steps (C = 8 m products, from a zeroed accumulator to the float32
 //     registers it is stored from) then errs by at most ((1 + 10 u)^m - 1) sum |p| <= g_tc sum |p|,
 //     g_tc = gamma_m(10 u) (each step's error is at most 10 u times sums that earlier steps grew by
@@ -49,7 +50,7 @@
 //  |z' - z| <= (1 + g) O + g sum |x_i| |w_i| + g_sum |bias| + (1 + g) S 2^-149 for z' the float32
 //  sum of the unrounded p_s and the bias, and as well for their exact sum (it only drops the
 //  additions' roundings, each of which the bound counts with a non-negative share).
-//  6. Storage (forward_gemm_sm90.cuh's store_certified_partial): each p_s is stored rounded to
+//  6. Storage (certified_pass1_sm90a.cu's store_certified_partial): each p_s is stored rounded to
 //     nearest bfloat16 (8 significant bits, float32's exponent range), p^_s, with |p^_s - p_s| <=
 //     2^-8 |p^_s| + 2^-134 (half an ulp of p^_s's binade, or of bfloat16's subnormal spacing
 //     2^-133). The selection adds the loaded p^_s, then the bias, in float32: z~ lies within
@@ -63,7 +64,7 @@
 //  nearest, no flush, at most D deep: relative error below gamma' = gamma_D(2^-24), plus 2^-149
 //  per term lost in the subnormal range; taken as sqrt(sum + K 2^-148) (1 + gamma' + 2^-22) 2^-e,
 //  rounded up. The weight's come from prepare_rows_kernel, one reduction per row (D =
-//  reduction_depth, forward.cu's norm_constants); x's from pass 1's per-split sums
+//  reduction_depth, norm_constants below); x's from pass 1's per-split sums
 //  (D = max(K + S, reduction_depth); x_row_norms, at the start of the selection, brings them to
 //  one scale and adds them, rounding up).
 // The float32 rescoring (rescore_dots: an FMA chain per thread, then a fixed tree; reduction_depth
@@ -85,15 +86,15 @@
 // to at most 2^-16 (|a| + |z|) + 2^-126 <= widen(a, a, b), since |gelu(t)| <= |t| and |z| <= |a|
 // + |b|. Near z = 0, where the benchmarks' data lies, D exceeds gelu'(b) by O(b^2): the upper end
 // barely moves; far from 0 the cap keeps it within 13% of the interval's width of gelu(b) (the
-// first form alone let ~48 of 96 columns per row through at |z| ~ 1e19).
+// uncapped form alone would let ~48 of 96 columns per row through at |z| ~ 1e19).
 // Candidates: the columns with hi_n >= M = max_n lo_n. Any other column's computed value would
 // be below M, which the column attaining M reaches: it cannot be the winner, so the answer is
 // the one rescoring every column would give (same torch.max rule on NaN and ties). A row with a
 // non-finite z~, bound or value end, with ||x|| ||w|| >= 2^120 somewhere (where float32 sums
 // could overflow), or with more than kMaxCandidates candidates, is rescored entirely.
 //
-// Pass 1 is forward_gemm_sm90.cuh's certified_pass1_kernel; the host side (the bound's constants,
-// the launches, use_certified) is in forward.cu.
+// Pass 1 is certified_pass1_sm90a.cu's certified_pass1_kernel; the host side: the bound's
+// constants below, the launches in certified.cu, use_certified in forward_plan.h.
 #pragma once
 #pragma once
 
@@ -184,29 +185,27 @@ struct SelectParams {
 // The rescoring (one CTA per row) takes the rows with at least this many candidates, or whole
 // rows, first. A row's CTA reads its x row once per group of kGroup candidates and one weight row
 // per candidate, each CTA at a rate set by its loads in flight (latency-bound, not by the SM's
-// share: NOTES), so a row with 5-7 candidates reads 3.5-4.5 times the bytes of one with 1 (most
+// share), so a row with 5-7 candidates reads 3.5-4.5 times the bytes of one with 1 (most
 // rows) at about the same rate. Launched in row order, such a row could start in the last wave
 // and finish alone; heavy rows first, the last wave holds only light rows (longest-first
 // scheduling in two classes: the selection appends heavy rows at the front of the order and light
-// ones at the back). Rescoring 18.0 -> 15.0 us at B = 1024 on the H200 (NOTES).
+// ones at the back). Measured: docs/performance.md, "Certified or 3xTF32".
 constexpr int kRescoreHeavyCandidates = 2;
 
 // The kernels below that sum pass 1's splits are compiled for a bound kSplitBound on the split
 // count (the smallest of 1, 2, 4, ... at or above it, up to kMaxSplits for select_candidates_kernel
-// and kFusedMaxSplits for select_rescore_kernel: forward.cu's dispatch_split_bound), so
-// that their loads are all issued at once and a call with fewer splits issues few loads past its
-// last split (B = 4096 takes two splits: one kernel for up to 8 made its selection 24.2 -> 28.0
-// us). A chain of S dependent loads per column (the first version's split sums of squares) made
-// the selection latency-bound (~60 us at B = 1024).
+// and kFusedMaxSplits for select_rescore_kernel: common.cuh's dispatch_split_bound), so
+// that their loads are all issued at once (a chain of S dependent loads per column makes the
+// selection latency-bound) and a call with fewer splits issues few loads past its last split
+// (B = 4096 takes two splits; loads for 8 would slow its selection by ~15%).
 
 // Pass 1's split partials of kColumns adjacent columns of one row, from index = row * n + col of
 // each split, every load issued at once, as sum_few_splits does (loads past the last split re-read
 // it), but indexed in 32 bits (kMaxSplits or kFusedMaxSplits x rows x N fits, see kMaxSplits) and
 // widened only after a split's offset is added: unsigned 32-bit sums cannot be widened term by
 // term, so the compiler keeps each split's index in one register. From sum_few_splits' pointer
-// (row_partial + col) it kept a 64-bit address per split across the column loop when the code
-// before the loop changed: 8 more registers at 8 splits, 32-48 bytes of spills at the 40-register
-// cap (the x norms computed in this kernel, or none at all). Each load's address also takes 2
+// (row_partial + col) it may keep a 64-bit address per split across the column loop: 8 more
+// registers at 8 splits, spills at the 40-register cap. Each load's address also takes 2
 // instructions, not 4. kColumns = 4 (col and N multiples of 4: 8-byte aligned) takes each split's
 // four bfloat16 in one load.
 template <int kSplitBound, int kColumns>
@@ -367,7 +366,7 @@ __device__ __forceinline__ float2 block_sum(float2 v, float2* s_partial) {
 }
 
 // The fp16 copies' scale exponents stay within +-kMaxScaleExponent, so that a row's and a
-// column's inverse scales multiply to a normal float (forward_gemm_sm90.cuh's
+// column's inverse scales multiply to a normal float (certified_pass1_sm90a.cu's
 // store_certified_partial). Past the clamp, rows are scaled less than their target: from a
 // largest |v| of 2^78 (the weight's copy, target 2^14) or 2^74 (x, kPass1XScaleTarget), and from
 // about 2^79 (65520 x 2^63) they overflow fp16 (an infinite z~ or norm: the row is rescored

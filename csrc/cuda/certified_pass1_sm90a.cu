@@ -2,13 +2,10 @@
 // The certified first pass: rounded_partial[s, b, n] = the tensor core's sum of h_x[b, i] h_w[n, i]
 // over split s, times 2^-(e_x[s, b] + e_w[n]), rounded to bfloat16 (store_certified_partial): h_w
 // the weight's fp16 copy scaled by 2^e_w per row, h_x x's fp16 copy made here, in registers, scaled
-// by 2^e_x per row and split (forward_certified.cuh says why fp16, and how the scales are chosen).
-// Built for L2 traffic: on float32 operands (single-pass TF32, 128 x 256 tiles) this pass read 48
-// KB from L2 per 1 M multiply-adds, 201 MB at B = 1024, and was bound by it (38 us, 27 of them the
-// loads alone). With the weight in fp16 it reads 32 KB per 1 M (134 MB), and the tensor core's fp16
-// rate is twice TF32's. x is converted here and not by a kernel before: that kernel's read of x
-// from DRAM (32 MB at B = 1024) could not overlap anything (a version with both copies made ahead:
-// pass 1 26.7 us, the copies 27.2).
+// by 2^e_x per row and split (certified.cuh says why fp16, and how the scales are chosen).
+// The pass is bound by its L2 reads: with the weight in fp16 it reads 32 KB per 1 M multiply-adds
+// (TF32: 48), at twice TF32's rate. x is converted here, not by a kernel before, whose DRAM read of
+// x would overlap nothing (research/README.md, "The certified path: pass 1").
 //
 // CTA tile kBlockM (x rows: 128 or 64) x kBlockN (weight rows: 256 or 128) x 64 (K) (Pass1Tile),
 // 384 threads:
@@ -50,11 +47,10 @@ namespace forward_gemm {
 // The certified pass's store (same accumulator layout as store_partial's): each value times its
 // row's and its column's inverse scales (powers of two whose product is a normal float: exact
 // unless the result is subnormal; column n0 + c's at column_inverse_scale[c], in shared memory),
-// rounded to nearest bfloat16 (forward_certified.cuh's step 6 bounds that rounding), into
-// p.rounded_partial. Half the bytes of float32 partials: the store of 16 MB of them at B = 1024
-// took ~4.8 us of pass 1, bound by its bytes (NOTES). A thread's bfloat16 pair of one 8-column
-// group is 4 bytes, which stored alone would leave each quad writing half 32-byte sectors (the
-// first bfloat16 variant's +4.1 us); so the lanes of each pair (t, t ^ 1) trade one word per two
+// rounded to nearest bfloat16 (certified.cuh's step 6 bounds that rounding), into
+// p.rounded_partial: half the bytes of float32 partials, whose store is bound by its bytes. A
+// thread's bfloat16 pair of one 8-column group is 4 bytes, which stored alone would leave each
+// quad writing half 32-byte sectors; so the lanes of each pair (t, t ^ 1) trade one word per two
 // groups 2J, 2J + 1: the even lane keeps its group-2J word and takes its neighbour's (columns
 // 16 J + 2 t .. + 3), the odd lane keeps its group-(2J + 1) word and takes its neighbour's
 // (columns 16 J + 8 + 2 (t - 1) .. + 3), and the quad's four 8-byte stores cover the 16 columns'
@@ -116,7 +112,7 @@ constexpr int kPass1XBoxK = 32;   // float32 x row: 128 bytes, one swizzle row
 constexpr int kPass1MmaK = 16;
 // x's scale per row and split: the first tile's largest |x| goes to [2^10, 2^11), leaving a factor
 // 32 below fp16's largest finite value (65504) for the split's later tiles; a larger value
-// overflows to infinity and the row is rescored whole (forward_certified.cuh).
+// overflows to infinity and the row is rescored whole (certified.cuh).
 constexpr int kPass1XScaleTarget = 10;
 // 128 x 56 + 256 x 224 = 64512 <= 384 x 168 (see kWgProducerRegisters): the consumers hold up to
 // 128 accumulator floats and 16 A registers.
@@ -131,13 +127,12 @@ static_assert(kWgProducerThreads * kPass1ProducerRegisters +
 
 // Pass 1's shared memory for a tile of kBlockN weight rows. 256 where the batch fills the GPU with
 // whole-K or long splits (the tensor core's work per byte of x read is twice 128's). 128 where the
-// splits are many (the fused rows, forward_certified.cuh's select_rescore_kernel): to fill the SMs
+// splits are many (the fused rows, certified.cu's select_rescore_kernel): to fill the SMs
 // each CTA takes a split of its own and stores its 128 x kBlockN partials, so the partials weigh
 // SMs x 128 x kBlockN bfloat16 whatever the split count, and every line of them first evicts one
-// of the benchmarks' flushed dirty lines (~0.6 us per MB on the H200). At B = 128, K = 8192, N =
-// 512, 128 CTAs: pass 1 11.0 us (256, 64 splits, 8 MB) -> 9.0 (128, 32 splits, 4 MB); without any
-// store either takes 6.4-6.6 (NOTES, 2026-11-30 22:45-23:03 UTC).
-// kBlockM: x rows per tile, 128, or 64 for the fused rows of at most 64 rows (forward.cu's
+// of the benchmarks' flushed dirty lines (~0.6 us per MB on the H200; research/README.md, "The
+// certified path: pass 1").
+// kBlockM: x rows per tile, 128, or 64 for the fused rows of at most 64 rows (forward_plan.h's
 // kPass1SmallTileMaxBatch): one 64-row tile instead of a half-empty 128-row one, both consumer
 // warpgroups on the same rows, each on half of the 128 weight rows (m64n64k16). At B = 128 two
 // such tiles per column tile read a third more from L2 per CTA than one of 128 (x's tile for half
@@ -170,11 +165,11 @@ struct Pass1Tile {
                 "swizzled tiles stay 1024-byte aligned");
   static_assert(kBlockN <= 32 * kWgConsumerWarps, "one column scale per consumer thread at most");
 };
-// The tiles pass 1 is compiled for (forward.cu's certified_forward picks one per call).
+// The tiles pass 1 is compiled for (forward_plan.h's plan_certified picks one per call).
 template <typename... Tiles>
 struct Pass1TileList {
   static constexpr int kMaxSmemBytes = std::max({Tiles::kSmemBytes...});
-  // Calls f(Tile{}) for each tile (forward.cu: the launch, each instance's shared memory).
+  // Calls f(Tile{}) for each tile (below: each instance's shared memory, the launch).
   template <typename F>
   static void for_each(F&& f) {
     (f(Tiles{}), ...);
@@ -429,9 +424,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_commit();
     // All of the tile's wgmmas, before the next tile's conversion writes their A registers; the
     // other consumer warpgroup keeps the tensor core busy meanwhile. Two A register sets with one
-    // group in flight (branch next/pass1-two-a-sets: the loop peeled so that ptxas does not
-    // serialize the wgmmas, C7513) measured the same (pass 1 34.9 against 35.2 us at B = 1024,
-    // H200, when the store still read the column scales from global memory): not this wait.
+    // group in flight measured the same: the pass is bound by x's L2 reads, not this wait.
     wgmma_wait_all();
     __syncwarp();
     if (lane == 0) mbarrier_arrive(empty_barrier + 8 * stage);

@@ -32,7 +32,7 @@ constexpr int epilogue_cta_threads(int threads_per_row) {
 // kColumns adjacent columns of a row of z or of the bias in one load (4 or 16 bytes of float32, 2
 // or 8 of a half type; the caller keeps the address aligned to it), widened to float where used. A
 // half type's values stay the loaded bits until then: moving them into registers of their own
-// right after the load made it wait for the load there, before the loads after it were issued.
+// right after the load would make it wait for the load there, before the loads after it issue.
 template <int kColumns, typename T>
 struct Columns {
   static_assert(sizeof(T) == 2, "a half type (float32: the specialization below)");
@@ -112,8 +112,8 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
     const float* row_partial = p.partial + row * p.n;
     const out_t* bias = static_cast<const out_t*>(p.bias);
     // Column col's value from its z (split sum plus bias): torch's order, gelu(z) first, then the
-    // product with scale. A non-finite pre-activation gives NaN, as in the CPU kernel (README
-    // "Non-finite values").
+    // product with scale. A non-finite pre-activation gives NaN, as in the CPU kernel
+    // (docs/design.md, "Non-finite values").
     auto consider = [&](int64_t col, float z) {
       const float v = isfinite(z) ? gelu(z) * p.scale : NAN;
       if (beats(v, col, best.value, best.index)) best = Candidate{v, col, z};
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
       }
       auto for_each_column = [&](auto&& f) {
         for (int64_t base = int64_t{col0} * kColumnsPerLoad; base < p.n; base += kLoads * kStep) {
-          // Every load of the round before any sum: summed per load, ptxas issued the next
+          // Every load of the round before any sum: summed per load, ptxas issues the next
           // load's splits only after the sum (a round trip per load at 4 splits).
           Columns<kColumnsPerLoad, float> z[kLoads][kSplitBound] = {};
           Columns<kColumnsPerLoad, out_t> b[kLoads] = {};

@@ -1,5 +1,5 @@
 // fold and fold_backward on CUDA: average-pool groups of k rows of a Linear's weight and bias
-// (DESIGN.md, "The fold"), and the adjoint of that linear map.
+// (docs/design.md, "The fold"), and the adjoint of that linear map.
 //
 // Both are pure streaming kernels with no reuse, so the only things that matter are 16-byte
 // accesses, coalescing and enough bytes in flight per SM to cover DRAM latency. At the default

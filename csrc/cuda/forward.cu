@@ -171,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cuda(
   const DebugKnobs knobs = debug_knobs();
 
   // Contiguous, in x's dtype: the epilogue widens a half-type bias itself (a conversion kernel
-  // before it cost 3.2 us per call on the H200), and the certified path takes float32 x only.
+  // before it would cost 3.2 us per call), and the certified path takes float32 x only.
   at::Tensor bias_contiguous;
   if (bias.has_value()) bias_contiguous = bias->contiguous();
   // The epilogue reads the bias as its output type, x's: the same dtype (check_forward_inputs).

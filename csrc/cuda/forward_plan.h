@@ -2,7 +2,7 @@
 // the choice of path by shape is made. Host-only, plain C++ (no CUDA, no torch), so that
 // tests/test_forward_plan.py compiles it into a small driver and checks the plans on the CPU.
 //
-// The paths (docs/design.md, "Which path serves which shapes"):
+// The paths (docs/design.md, "Which path serves which shape"):
 //   no GEMM       K == 0: z = bias, the epilogue alone.
 //   half GEMM     float16 / bfloat16: cuBLAS's tensor-core GEMM with a float32 result, whole or in
 //                 slices of K, then the epilogue.
@@ -91,7 +91,7 @@ constexpr int64_t kCertifiedLargeWorkMinColumns = 256;
 constexpr int64_t kCertifiedLargeWorkMinWeightFloats = int64_t{1} << 19;
 constexpr int64_t kCertifiedMinWork = int64_t{1} << 31;
 // With a prepared weight, also 33 rows to one row per SM (one CTA per row selects and rescores it)
-// on weights of N >= 512 and 2^22 floats; at 2^21 floats the 3xTF32 GEMM was faster.
+// on weights of N >= 512 and 2^22 floats; at 2^21 floats the 3xTF32 GEMM is faster.
 constexpr int64_t kCertifiedFusedMinBatch = kSimtMaxBatch + 1;
 constexpr int64_t kCertifiedFusedMinWeightFloats = int64_t{1} << 22;
 // The bound's gamma terms stay far below 1 up to this K.
@@ -474,8 +474,8 @@ inline CertifiedPlan plan_certified(const DeviceLimits& limits, int64_t batch, i
   CertifiedPlan plan{};
   plan.fused_rows = certified_fused_rows(limits, batch);
   plan.block_m = plan.fused_rows && batch <= kPass1SmallTileMaxBatch ? 64 : 128;
-  // 256 weight rows where the batch fills the GPU with long splits (twice 128's tensor-core work per
-  // byte of x read); 128 for the fused rows, whose many splits each store their partials.
+  // 256 weight rows where the batch fills the GPU with long splits (twice 128's tensor-core work
+  // per byte of x read); 128 for the fused rows, whose many splits each store their partials.
   plan.block_n = plan.fused_rows ? 128 : 256;
   plan.max_splits = plan.fused_rows ? certified::kFusedMaxSplits : certified::kMaxSplits;
   const int64_t tiles = ceil_div_host(batch, plan.block_m) * ceil_div_host(n, plan.block_n);

@@ -55,7 +55,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // Four 8x8 matrices of 16-bit elements = four 8-row x 4-float tiles: thread t receives float
 // (row t / 4, column t % 4) of matrix j in r[j]; threads 8j .. 8j+7 give the row addresses of
-// matrix j. This is exactly the TF32 m16n8k8 A / B fragment layout (see the kernel below).
+// matrix j. This is exactly the TF32 m16n8k8 A / B fragment layout (gemm_sm80.cu's top).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

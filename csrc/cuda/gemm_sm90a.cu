@@ -1,5 +1,5 @@
 // The Hopper (sm_90a) split-K GEMM of the forward: the same job, tiles and output as
-// forward_gemm.cuh's tf32x3_splitk_kernel (partial[s, b, n] = the split-s part of x[b] . weight[n],
+// gemm_sm80.cu's tf32x3_splitk_kernel (partial[s, b, n] = the split-s part of x[b] . weight[n],
 // 3xTF32 accuracy), on warpgroup MMA (wgmma) instead of mma.sync. On an H200 mma.sync TF32 tops
 // out near 190 TFLOP/s, about half of what wgmma reaches, and 3xTF32 needs three MMAs per product.
 //
@@ -22,7 +22,7 @@
 //   x (A operand, registers): the stage holds x rows padded to 36 floats (conflict-free ldmatrix);
 //     each warp loads its 16 x 8 fragments with ldmatrix and splits them into TF32 big + small
 //     halves in registers. The wgmma register layout of A for 32-bit types is exactly the
-//     mma.m16n8k8 A fragment of forward_gemm.cuh, warp w of the warpgroup holding rows
+//     mma.m16n8k8 A fragment of gemm_sm80.cu, warp w of the warpgroup holding rows
 //     [16 w, 16 w + 16) (CUTLASS cute::GMMA::ALayout_64x8).
 //   weight (B operand, shared memory): wgmma reads B only through a shared-memory descriptor, so
 //     the split happens in shared memory: the producer rewrites each landed weight tile as its big
@@ -130,8 +130,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
     };
     // Past the last tile the steps commit empty cp.async groups, so that the wait below still
     // means "tile kt - lookahead landed": the last tiles are handed over one by one as they land,
-    // not all after the last one (a CTA of 8 K tiles, B = 128 at K = 8192, spent a quarter of
-    // its tiles in that tail: the GEMM 16.5 -> 16.1 us there).
+    // not all after the last one (a CTA of 8 K tiles, B = 128 at K = 8192, spends a quarter of
+    // its tiles in that tail).
     for (int kt = 0; kt < num_k_tiles + kWgLookahead; ++kt) {
       if (kt >= kWgLookahead) {
         cp_async_wait<kWgLookahead - 1>();  // groups committed: kt => tile kt - lookahead landed
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
 
   store_partial(p, total, split, m0 + warpgroup * 64 + warp_in_group * 16, n0, lane);
 #else
-  __trap();  // launched only where the sm_90a code exists (see the host check in forward.cu)
+  __trap();  // launched only where the sm_90a code exists (configure_gemm_sm90a_kernels checks)
 #endif  // FPG_WGMMA_DEVICE_CODE
 }
 

@@ -213,20 +213,13 @@ __global__ void __launch_bounds__(kSimtThreads) simt_splitk_kernel(const GemmPar
 // S x B x N. At the default shape that is 128 CTAs of 4 rows (32 KB each) on 132 SMs, one wave.
 // Thread t takes float4 number t, t + 512, ... of each weight row and each x row, kRowwiseUnroll
 // of them per row per step (K = 8192: two steps). A step's pieces go to shared memory by cp.async,
-// all issued before the first is waited on, and each thread reads back only its own. Loaded into
-// registers instead, ptxas spread them over rounds of five loads, each waited on before the next
-// (SASS: four rounds per step at B = 1), and x's loads after the weight's. H200 own times
-// (profile_forward.py, 2026-11-30 16:05-16:06 UTC, two rounds), register loads -> staged, K x N =
-// 8192 x 512 at B = 1 / 2 / 3 / 4: 7.9 / 8.2 / 10.4 / 11.2 -> 7.5 / 7.7 / 8.5 / 8.5 us; 2048 x
-// 1024: 5.7 / 7.0 / 11.3 / 11.5 -> 5.1 / 5.3 / 8.4 / 8.4; 16384 x 1024: 23.8 / 24.2 / 35.0 / 38.7
-// -> 23.1 / 23.9 / 25.5 / 25.6; 1024 x 4096: 11.5 / 13.7 / 26.5 / 26.7 -> 9.5 / 10.5 / 18.0 /
-// 18.1. The default shape at B = 1 barely moves: 16 MB read while the L2 writes back the benchmark
-// timer's dirty lines, at the DRAM's rate either way (NOTES). Four pieces per step (160 KB of
-// shared memory at B = 1, one CTA per SM) made 2048 x 1024 slower at B = 1 (5.8 -> 6.8: 256 CTAs
-// in two waves); two keep two CTAs per SM at B <= 2. x (B x K, at most 128 KB) is read by every
-// CTA, mostly from L2. The sums are reduced over the warp with a fixed butterfly, then over the
-// warps in warp order through shared memory: bitwise reproducible, and the same bits as the
-// register-loading version (each thread's FMAs in the same order).
+// all issued before the first is waited on, and each thread reads back only its own: loaded into
+// registers, ptxas spreads them over rounds of five loads, each waited on before the next
+// (research/README.md, "Small batches (GEMVs, B <= 32)"). Two pieces per step keep two CTAs per
+// SM at B <= 2; four (160 KB of shared memory at B = 1) leave one CTA per SM, slower on small
+// weights. x (B x K, at most 128 KB) is read by every CTA, mostly from L2. The sums are reduced
+// over the warp with a fixed butterfly, then over the warps in warp order through shared memory:
+// bitwise reproducible.
 // ------------------------------------------------------------------------------------------------
 
 
@@ -277,8 +270,8 @@ __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const Gem
     }
     cp_async_commit();
     // Each thread reads only its own slots, so neither this wait nor the next step's copies into
-    // the same slots (after these reads in program order) need a barrier. Not unrolled: ptxas
-    // hoisted every piece's shared load ahead of the FMAs, 8 bytes of spills at B = 2.
+    // the same slots (after these reads in program order) need a barrier. Not unrolled: unrolled,
+    // ptxas hoists every piece's shared load ahead of the FMAs and spills at B = 2.
     cp_async_wait<0>();
 #pragma unroll 1
     for (int u = 0; u < kRowwiseUnroll; ++u) {
@@ -330,12 +323,10 @@ __global__ void __launch_bounds__(kRowwiseThreads) rowwise_gemv_kernel(const Gem
 //
 // Operands go through a per-warp cp.async ring in shared memory (kTcGemvStages chunks, all but one
 // in flight), no CTA barrier in the K loop. Copies take whole 128-byte lines, 8 lanes per row
-// and 4 rows per instruction. With 4 lanes per row (each lane copying exactly the pieces of its
-// own fragments) every instruction asked L2 for 8 half lines and the kernel read 16 MB in 10.8 us
-// at B = 16 (Nsight Compute: DRAM 32% busy, SM 24%); whole lines: 9.3 (H200, 2026-11-30). Lanes
-// then read their fragments from the stage after a __syncwarp.
+// and 4 rows per instruction (4 lanes per row, each copying only its own fragments' pieces, would
+// ask L2 for half lines). Lanes then read their fragments from the stage after a __syncwarp.
 //
-// Fragments (layout in the mma section above) with K permuted inside each 16-float segment s of a
+// Fragments (layout: gemm_sm80.cu's top) with K permuted inside each 16-float segment s of a
 // chunk: lane (g, t) takes floats 16 s + 4 t .. + 3 of weight row g of each n tile (B operand) and
 // of batch rows g and g + 8 of each m tile (A operand), one float4 each; mma step q of the segment
 // uses floats 4 t + 2 q as k = t and 4 t + 2 q + 1 as k = t + 4. The same permutation on both

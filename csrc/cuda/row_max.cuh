@@ -1,5 +1,5 @@
-// The row-max pieces shared by the forward's epilogues (forward.cu's argmax_epilogue_kernel and
-// the certified path's kernels, forward_certified.cuh): torch.max's ordering of (value, index)
+// The row-max pieces shared by the forward's epilogues (epilogue.cu's argmax_epilogue_kernel and
+// the certified path's kernels, certified.cu): torch.max's ordering of (value, index)
 // candidates, a warp's arg-max and the split-K partial sums of one output.
 #pragma once
 
@@ -44,7 +44,7 @@ __device__ __forceinline__ Candidate warp_argmax(Candidate c) {
 }
 
 // Split partials loaded before they are added (in split order), per thread: memory-level
-// parallelism against registers. The epilogue (forward.cu) loads this many at a time only past its
+// parallelism against registers. The epilogue (epilogue.cu) loads this many at a time only past its
 // split bound of 64; up to that, and in the certified path's kernels, every split's load is issued
 // at once (sum_few_splits; the certified selection's load_split_partials).
 constexpr int kSplitBatch = 8;

@@ -28,7 +28,7 @@ constexpr int kSimtChunkK = kSimtStepK * kSimtWarps;          // 256 floats of x
 constexpr int kSimtXBuffers = 2;                              // x chunk double buffer
 // Batch rows per CTA (register arrays): the host takes the smallest instance >= B; more rows run
 // as several batch tiles (grid z). 16 rows take 126 registers (2 CTAs per SM); a 32-row tile
-// (246 registers, 1 CTA per SM) ran 17-32 rows slower than two 16-row tiles.
+// (246 registers, 1 CTA per SM) runs 17-32 rows slower than two 16-row tiles.
 constexpr int kSimtBatchTiles[] = {1, 2, 4, 8, 16};
 constexpr int kNumSimtBatchTiles = static_cast<int>(std::size(kSimtBatchTiles));
 constexpr int kSimtMaxBatchTile = kSimtBatchTiles[kNumSimtBatchTiles - 1];

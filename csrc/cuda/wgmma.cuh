@@ -41,10 +41,11 @@ constexpr int kWgStages = 4;
 // Tiles in flight behind the one the producer splits. Each producer step first releases (splits)
 // tile kt - lookahead, then waits for the stage of tile kt - kWgStages to be empty and issues tile
 // kt. Releasing first keeps a tile's hand-over independent of the consumers' progress on older
-// tiles (releasing after the refill made the split of tile j + 1 wait for the consumers to finish
-// tile j - 1, while they already wanted it during tile j: 31% of the stall samples sat at the full
-// barrier). No deadlock while lookahead <= kWgStages - 1: consumers free tile kt - kWgStages once
-// they hold tile kt - kWgStages + 1, released by then. (With the old order, kWgStages - 1 hung.)
+// tiles (releasing after the refill would make the split of tile j + 1 wait for the consumers to
+// finish tile j - 1, while they already want it during tile j). No deadlock while lookahead <=
+// kWgStages - 1: consumers free tile kt - kWgStages once they hold tile kt - kWgStages + 1,
+// released by then. 2: look-ahead 3 is slower at every batch (research/README.md, "The
+// float32-accurate GEMM (3xTF32)").
 constexpr int kWgLookahead = 2;
 constexpr int kWgMmaK = 8;
 constexpr int kWgKSteps = kWgBlockK / kWgMmaK;  // 4
