@@ -630,7 +630,8 @@ void launch_selection_and_rescoring(const GemmOperands& ops, const float* bias, 
   cudaLaunchConfig_t select_config =
       dependent_launch_config(batch, certified::kSelectThreads, stream, attribute,
                               limits.dependent_launch);
-  select_config.dynamicSmemBytes = spread_smem_bytes(limits, batch, certified::select_smem_bytes(n));
+  select_config.dynamicSmemBytes =
+      spread_smem_bytes(limits, batch, certified::select_smem_bytes(n));
   const int columns_per_thread = certified::select_columns_per_thread(batch, n, limits.sms);
   dispatch_split_bound<certified::kMaxSplits>(
       split_bound_for(select.splits, certified::kMaxSplits), [&](auto split_bound) {

@@ -96,7 +96,6 @@
 // Pass 1 is certified_pass1_sm90a.cu's certified_pass1_kernel; the host side: the bound's
 // constants below, the launches in certified.cu, use_certified in forward_plan.h.
 #pragma once
-#pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -410,7 +409,8 @@ inline double gamma(double terms, double u) { return terms * u / (1.0 - terms * 
 // A norm bound's constants (see the top) for sums of squares of k_padded terms at most `depth`
 // roundings deep: the floor K 2^-148 for the terms lost below the normal range, and
 // the slack 1 + gamma_depth(2^-24) + 2^-22, both rounded up.
-inline void norm_constants(int64_t k_padded, double depth, float& squares_floor, float& norm_slack) {
+inline void norm_constants(int64_t k_padded, double depth, float& squares_floor,
+                           float& norm_slack) {
   squares_floor = round_up_to_float(static_cast<double>(k_padded) * kNormSquaresFloorPerTerm);
   norm_slack = round_up_to_float(1.0 + gamma(depth, 0x1p-24) + 0x1p-22);
 }

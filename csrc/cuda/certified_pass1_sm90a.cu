@@ -473,7 +473,8 @@ void launch_certified_pass1(int64_t block_m, int64_t block_n, int64_t splits, bo
                             cudaStream_t stream, const fg::GemmParams& gemm,
                             const fg::TmaMaps& maps) {
   cudaLaunchAttribute attribute{};
-  cudaLaunchConfig_t config = dependent_launch_config(1, fg::kWgThreads, stream, attribute, dependent);
+  cudaLaunchConfig_t config =
+      dependent_launch_config(1, fg::kWgThreads, stream, attribute, dependent);
   config.gridDim = dim3(static_cast<unsigned>(ceil_div(gemm.n, block_n)),
                         static_cast<unsigned>(ceil_div(gemm.rows, block_m)),
                         static_cast<unsigned>(splits));

@@ -212,8 +212,9 @@ inline bool certified_fused_rows(const DeviceLimits& limits, int64_t batch) {
 inline bool certified_applies(const DeviceLimits& limits, const DebugKnobs& knobs,
                               const ForwardProblem& p) {
   const int64_t k_padded = padded_k(p.k);
-  return wgmma_serves(limits, knobs) && p.operands == Operands::kFloat32 && p.batch > kSimtMaxBatch &&
-         p.batch <= kMaxGridYZ * fg::kPass1BlockM && p.n <= certified::kMaxSelectColumns &&
+  return wgmma_serves(limits, knobs) && p.operands == Operands::kFloat32 &&
+         p.batch > kSimtMaxBatch && p.batch <= kMaxGridYZ * fg::kPass1BlockM &&
+         p.n <= certified::kMaxSelectColumns &&
          rows_per_slice(p.batch, p.n) == p.batch && k_padded > 0 &&
          k_padded <= kCertifiedMaxInFeatures && std::isfinite(p.scale) && p.scale != 0.0;
 }
