@@ -18,12 +18,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "forward_plan_driver.cpp"
 
-# DeviceLimits of an H200 with an sm_90a build (132 SMs; resident CTAs per SM of each kernel, the
-# SIMT GEMV's per batch tile 1, 2, 4, 8, 16), and of an A100-class device without the wgmma and
-# tensor-core GEMV kernels (108 SMs, 164 KB of shared memory per SM).
-HOPPER = dict(sms=132, simt=(8, 8, 8, 4, 2), tc_gemv=1, tc=1, wgmma=1, epilogue=8,
+# DeviceLimits of an H100 SXM or H200 with an sm_90a build, as fused_pool_gelu._C._device_limits
+# reads them there (132 SMs; resident CTAs per SM of each kernel, the SIMT GEMV's per batch tile 1,
+# 2, 4, 8, 16), and of an A100-class device without the wgmma and tensor-core GEMV kernels (108
+# SMs, 164 KB of shared memory per SM).
+HOPPER = dict(sms=132, simt=(4, 3, 3, 2, 2), tc_gemv=1, tc=1, wgmma=1, epilogue=8,
               smem_per_sm=233472, spread_smem_max=116737, dependent_launch=1)
-AMPERE = dict(sms=108, simt=(8, 8, 8, 4, 2), tc_gemv=0, tc=1, wgmma=0, epilogue=8,
+AMPERE = dict(sms=108, simt=(4, 3, 3, 2, 2), tc_gemv=0, tc=1, wgmma=0, epilogue=8,
               smem_per_sm=167936, spread_smem_max=83969, dependent_launch=0)
 
 K, N = 8192, 512  # the default shape's pooled weight
@@ -235,7 +236,11 @@ def test_the_kernels_that_run_are_the_ones_the_plan_names(
     limits = fused_pool_gelu._C._device_limits(torch.cuda.current_device())
     p = plan(driver, batch, n, k, operands=operands, prepared=prepared, limits=limits)
     dtype = torch.bfloat16 if operands == "half" else torch.float32
-    x, weight, bias = make_inputs(batch, k, n, dtype, "cuda")
+    if k > 0:
+        x, weight, bias = make_inputs(batch, k, n, dtype, "cuda")
+    else:  # no in_features: z is the bias
+        x, weight = torch.empty(batch, 0, device="cuda"), torch.empty(n, 0, device="cuda")
+        bias = torch.randn(n, device="cuda")
     prepared_weight = fused_pool_gelu.prepare_weight(weight) if prepared else None
     names = kernels_run(
         lambda: torch.ops.fused_pool_gelu.forward_with_argmax(x, weight, bias, 2.0,
