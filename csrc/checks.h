@@ -10,7 +10,9 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
+#include <cstdint>
 #include <initializer_list>
+#include <limits>
 
 namespace fused_pool_gelu {
 
@@ -108,6 +110,14 @@ inline void check_unfolded_shape(const char* op, const char* name, const at::Ten
   TORCH_CHECK(out_features / pool_kernel_size == pooled.size(0), "fused_pool_gelu.", op, ": ",
               name, " must have out_features // pool_kernel_size = ",
               out_features / pool_kernel_size, " rows, got shape ", pooled.sizes());
+  // The [out_features, in_features] gradient's bytes must be a size (a large k can make a few
+  // pooled rows stand for more rows than memory has).
+  const int64_t in_features = pooled.size(1);
+  const int64_t max_bytes = std::numeric_limits<int64_t>::max();
+  TORCH_CHECK(in_features == 0 || out_features <= max_bytes / pooled.element_size() / in_features,
+              "fused_pool_gelu.", op, ": out_features must keep the [out_features, in_features] "
+              "gradient's bytes within 2^63, got [", out_features, ", ", in_features, "] of ",
+              pooled.element_size(), "-byte elements");
 }
 
 // fold_backward(grad_pooled_weight [N, K], grad_pooled_bias [N], O, k).

@@ -94,8 +94,17 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
       "_certified_candidate_counts(Tensor x, Tensor weight, Tensor? bias, float scale) -> Tensor");
 }
 
+// prepare_weight where no kernel of its device is registered, and with weight None (a call with no
+// tensor lands here): the kernels' error instead of the dispatcher's.
+static at::Tensor prepare_weight_without_kernel(const at::Tensor& weight) {
+  check_defined("prepare_weight", "weight", weight);
+  TORCH_CHECK(false, "fused_pool_gelu.prepare_weight: weight must be on the CPU or a CUDA device, "
+              "got ", weight.device());
+}
+
 TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
   m.impl("forward", &forward_kernel);
+  m.impl("prepare_weight", &prepare_weight_without_kernel);
 }
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
@@ -112,27 +121,44 @@ TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
 // the ops whose autograd kernels are Python's (register_autograd in _autograd.py) check here, one
 // key below them. Inputs without a tangent (constants inside a transform) pass: their result's
 // zero tangent is the right one.
-static void refuse_tangents(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
-                            torch::jit::Stack* stack) {
+// A call whose tensor arguments are all None reaches this key too (it is always in the dispatch
+// key set), and nothing below it: with no tensor there is no device to dispatch to. It gets the
+// error the kernels give for a None tensor, not the dispatcher's "no tensor arguments".
+static void check_arguments_and_redispatch(const c10::OperatorHandle& op,
+                                           c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
   const size_t first = stack->size() - arguments.size();
+  // The op's short name only for the errors: no string work on the calls that pass.
+  const auto op_name = [&op] {
+    const std::string& name = op.schema().name();  // "fused_pool_gelu::fold"
+    return name.substr(name.find("::") + 2);
+  };
+  bool any_tensor = false;
   for (size_t i = 0; i < arguments.size(); ++i) {
     const c10::IValue& value = (*stack)[first + i];
-    // The op's short name only for the error: no string work on the calls that pass.
-    if (value.isTensor() && value.toTensor().defined() &&
-        value.toTensor()._fw_grad(/*level=*/0).defined()) {
-      const std::string& name = op.schema().name();  // "fused_pool_gelu::fold"
-      check_no_tangent(name.substr(name.find("::") + 2).c_str(), arguments[i].name().c_str(),
-                       value.toTensor());
+    if (!value.isTensor() || !value.toTensor().defined()) continue;
+    any_tensor = true;
+    if (value.toTensor()._fw_grad(/*level=*/0).defined()) {
+      check_no_tangent(op_name().c_str(), arguments[i].name().c_str(), value.toTensor());
+    }
+  }
+  if (!any_tensor) {
+    // Named as the kernels' checks name it (forward_with_argmax's as forward's: checks.h).
+    const std::string name = op_name() == "forward_with_argmax" ? "forward" : op_name();
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      if (arguments[i].type()->kind() == c10::TypeKind::TensorType) {
+        check_defined(name.c_str(), arguments[i].name().c_str(), at::Tensor());
+      }
     }
   }
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
 }
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, ADInplaceOrView, m) {
+  // forward, model_forward and prepare_weight have kernels of their own that check (see above).
   for (const char* op : {"fold", "fold_backward", "forward_with_argmax", "forward_backward",
-                         "model_backward"}) {
-    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_tangents>());
+                         "model_backward", "_certified_candidate_counts"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&check_arguments_and_redispatch>());
   }
 }
 

@@ -8,7 +8,8 @@
 The task: a fixed random teacher (a Model from another seed) labels random inputs, and the student
 regresses its [B] outputs with MSE and SGD. ModelNew and Model start from the same seed, so they
 hold the same parameters, see the same batches and should report the same losses step after step;
-the script prints the largest relative difference and exits with status 1 if it passes --tol.
+the script prints the largest relative difference and exits with status 1 if it passes --tol. A
+non-finite loss stops the run with status 1.
 Under --ddp every rank draws its own batches, and the printed losses are the mean over ranks.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import sys
 import time
@@ -66,6 +68,9 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.pool > args.out_features:
         parser.error(f"--pool must be <= --out-features ({args.out_features}), got {args.pool}")
+    for name in ("scale", "lr"):
+        if not math.isfinite(getattr(args, name)):
+            parser.error(f"--{name} must be a finite number, got {getattr(args, name)}")
     if args.tol is None:
         args.tol = DEFAULT_TOLERANCE["amp" if args.amp else "float32"]
     return args
@@ -225,6 +230,11 @@ def train(args, device, rank, world_size):
                 dist.all_reduce(diff, op=dist.ReduceOp.MAX)
             max_diff = max(max_diff, diff.item())
         losses = mean_over_ranks(step_losses, args).tolist()
+        if not all(math.isfinite(loss) for loss in losses):
+            # Every rank sees the same mean losses: all stop here.
+            named = ", ".join(f"{t.name} {loss:g}" for t, loss in zip(trainers, losses))
+            log(f"step {step + 1}: non-finite loss ({named}); stopping with status 1")
+            return 1
         if step == 0:
             first_losses = losses
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:

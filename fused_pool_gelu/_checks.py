@@ -23,6 +23,13 @@ def check_defined(op, name, t):
         raise RuntimeError(f"fused_pool_gelu.{op}: {name} must be a tensor, got None")
 
 
+def check_int64(op, name, value):
+    # An int of the schema: past int64, torch's argument parser would fail with "Expected a value
+    # of type 'int' ... but instead found type 'int'". A plain raise, as check_defined's.
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise RuntimeError(f"fused_pool_gelu.{op}: {name} must fit in int64, got {value}")
+
+
 # c10's names for the dtypes, as csrc/checks.h's messages print them.
 _SCALAR_TYPE_NAMES = {
     torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
@@ -85,6 +92,12 @@ def check_unfolded_shape(op, name, pooled, out_features, pool_kernel_size):
         rows == pooled.shape[0],
         f"{op}: {name} must have out_features // pool_kernel_size = {rows} rows, got shape "
         f"{list(pooled.shape)}",
+    )
+    in_features, element_size = pooled.shape[1], pooled.element_size()
+    check(
+        in_features == 0 or out_features <= (2**63 - 1) // element_size // in_features,
+        f"{op}: out_features must keep the [out_features, in_features] gradient's bytes within "
+        f"2^63, got [{out_features}, {in_features}] of {element_size}-byte elements",
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections.abc
 import copy
 import math
+import numbers
 import operator
 import weakref
 from typing import Optional, Tuple
@@ -39,7 +40,22 @@ def _checked_pool_kernel_size(pool_kernel_size) -> int:
                 value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"pool_kernel_size must be a positive integer, got {pool_kernel_size!r}")
+    if value >= 2**63:
+        raise ValueError(f"pool_kernel_size must be below 2**63, got {pool_kernel_size!r}")
     return value
+
+
+def _checked_scale_factor(scale_factor):
+    # What multiplies a tensor in Model: a real number (a float for the fused op; NumPy's scalars
+    # included) or a tensor (whose gradient Model computes: ModelNew runs Model's computation).
+    if type(scale_factor) is float or isinstance(scale_factor, Tensor):
+        return scale_factor
+    if isinstance(scale_factor, numbers.Real):
+        return float(scale_factor)
+    raise TypeError(
+        f"fused_pool_gelu.ModelNew: scale_factor must be a real number or a tensor, got "
+        f"{scale_factor!r}"
+    )
 
 
 def _pooled_gelu_max(linear_out: Tensor, pool, scale_factor) -> Tensor:
@@ -123,6 +139,7 @@ class ModelNew(nn.Module):
     def __init__(self, in_features, out_features, pool_kernel_size, scale_factor):
         super().__init__()
         pool_kernel_size = _checked_pool_kernel_size(pool_kernel_size)
+        _checked_scale_factor(scale_factor)
         # Created exactly as Model creates it, so the same seed gives the same parameters.
         self.matmul = nn.Linear(in_features, out_features)
         self.pool_kernel_size = pool_kernel_size
@@ -147,6 +164,15 @@ class ModelNew(nn.Module):
         new._fold_cache = None
         return new
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first, on every submodule: a clear error instead of
+        # TorchScript's on the first Python construct it cannot compile in forward().
+        raise RuntimeError(
+            "fused_pool_gelu.ModelNew does not support torch.jit.script (TorchScript cannot "
+            "compile its forward, and is deprecated): use torch.compile or torch.export, or "
+            "torch.jit.trace"
+        )
+
     def extra_repr(self) -> str:
         return f"pool_kernel_size={self.pool_kernel_size}, scale_factor={self.scale_factor}"
 
@@ -160,7 +186,8 @@ class ModelNew(nn.Module):
         Detached (no autograd history, whatever the grad mode) and shared with the cache: an
         in-place change to them makes the next call refold instead of serving them."""
         linear = self.matmul
-        return self._folded(linear.weight, linear.bias)[:2]
+        pool_kernel_size = _checked_pool_kernel_size(self.pool_kernel_size)
+        return self._folded(linear.weight, linear.bias, pool_kernel_size)[:2]
 
     @staticmethod
     def _stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
@@ -192,11 +219,10 @@ class ModelNew(nn.Module):
         return refs if tuple(ref.cdata for ref in refs) == stamp[:len(refs)] else None
 
     def _folded(
-        self, weight: Tensor, bias: Optional[Tensor]
+        self, weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """(pooled_weight, pooled_bias, prepared_weight or None), from the cache when valid."""
-        # A plain attribute (as Model's avg_pool.kernel_size): it may change, like the weight.
-        pool_kernel_size = self.pool_kernel_size
+        """(pooled_weight, pooled_bias, prepared_weight or None), from the cache when valid
+        (pool_kernel_size: the attribute, checked; it may change, as the weight may)."""
         try:
             stamp = self._stamp(weight, bias)
         except RuntimeError:
@@ -273,14 +299,21 @@ class ModelNew(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
+        # Plain attributes, as Model's: checked at every call as the constructor checks them.
+        pool_kernel_size = self.pool_kernel_size
+        if type(pool_kernel_size) is not int or not 1 <= pool_kernel_size < 2**63:
+            pool_kernel_size = _checked_pool_kernel_size(pool_kernel_size)
+        scale = self.scale_factor
+        if type(scale) is not float:
+            scale = _checked_scale_factor(scale)
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             # Traced graphs cannot read version counters, and they trace the ops through their
             # fake kernels and Python autograd formulas: the fold becomes part of the graph.
             linear = self.matmul
-            if not _is_plain_linear(linear) or isinstance(self.scale_factor, Tensor):
+            if not _is_plain_linear(linear) or isinstance(scale, Tensor):
                 return self._reference_forward(linear, x)
-            pooled_weight, pooled_bias = ops.fold(linear.weight, linear.bias, self.pool_kernel_size)
-            return ops.forward(x, pooled_weight, pooled_bias, self.scale_factor)
+            pooled_weight, pooled_bias = ops.fold(linear.weight, linear.bias, pool_kernel_size)
+            return ops.forward(x, pooled_weight, pooled_bias, scale)
         # nn.Module's attribute lookups go through __getattr__, about a microsecond of host time
         # each (3.6 us for these three, against a 7 us op at B = 1 on a CPU): the registered
         # parameters are read from the module's dicts. A parameter that is not a registered one
@@ -290,7 +323,6 @@ class ModelNew(nn.Module):
         linear = self._modules.get("matmul")
         if linear is None:
             linear = self.matmul
-        scale = self.scale_factor
         if not _is_plain_linear(linear) or (type(scale) is not float and isinstance(scale, Tensor)):
             return self._reference_forward(linear, x)
         params = linear._parameters
@@ -306,11 +338,13 @@ class ModelNew(nn.Module):
                 # graph for weight and bias to get gradients; model_forward records fold and
                 # forward as one C++ node (less host time than the two ops' Python autograd nodes,
                 # same bits), whose backward is model_backward.
-                return ops.model_forward(x, weight, bias, self.pool_kernel_size, scale)
+                return ops.model_forward(x, weight, bias, pool_kernel_size, scale)
             if self._capturing():
-                pooled_weight, pooled_bias = ops.fold(weight, bias, self.pool_kernel_size)
+                pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
                 return ops.forward(x, pooled_weight, pooled_bias, scale)
-            pooled_weight, pooled_bias, prepared_weight = self._folded(weight, bias)
+            pooled_weight, pooled_bias, prepared_weight = self._folded(
+                weight, bias, pool_kernel_size
+            )
             return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
         except RuntimeError as error:
             # The op's own message would name the pooled weight, which the caller never made.

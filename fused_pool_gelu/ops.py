@@ -2,7 +2,8 @@
 
 The schemas live in csrc/registration.cpp and the CPU/CUDA kernels next to them. What else torch
 needs of the ops is registered on import of the package: fake kernels (_fake.py), autograd
-formulas (_autograd.py) and autocast kernels (_autocast.py).
+formulas (_autograd.py) and autocast kernels (_autocast.py). Under torch.func transforms the
+wrappers go through _func.py's autograd.Functions, which functorch takes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._checks import check_defined
+from . import _func
+from ._checks import check_defined, check_int64
 
 __all__ = ["fold", "forward", "forward_with_argmax", "model_forward", "prepare_weight"]
 
@@ -26,8 +28,10 @@ def fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int) -> Tuple
     consecutive rows (AvgPool1d floor: the ``O % k`` tail rows are dropped). ``pooled_bias`` is
     zeros when ``bias`` is None. Differentiable in ``weight`` and ``bias``.
     """
-    # With no tensor at all the dispatcher would fail before any check, naming no argument.
     check_defined("fold", "weight", weight)
+    check_int64("fold", "pool_kernel_size", pool_kernel_size)
+    if _func.transforms_active():
+        return _func.fold(weight, bias, pool_kernel_size)
     return _ops.fold(weight, bias, pool_kernel_size)
 
 
@@ -39,8 +43,8 @@ def prepare_weight(weight: Tensor) -> Tensor:
     scale and two norms as float32 (layout in csrc/prepared_weight.h). Pass it as
     ``prepared_weight`` to :func:`forward` with the same ``weight``: the forward's float32-accurate
     certified path (sm_90a, from 513 rows, or with a prepared weight from 257 and from 33 to one
-    row per SM, on weights large enough: README, ``FUSED_POOL_GELU_CERTIFIED``) then skips making
-    this copy on every call (~8-10 us at K = 8192, N = 512 on an H200). Results are the same bits
+    row per SM, on weights large enough: docs/design.md) then skips making this copy, a read of
+    the whole weight, on every call. Results are the same bits
     with or without it where both calls take the same path; where the copy moves the call onto the
     certified path (from 257 to 512 rows, and from 33 to one row per SM), the one without it takes
     the 3xTF32 GEMM, both float32-accurate but rounded in different orders (the last bits of
@@ -71,6 +75,9 @@ def forward(
     path the last bits can differ, see :func:`prepare_weight`). Exact-erf GELU; max with
     torch.max semantics (a NaN in a row makes that row NaN). Differentiable in x, weight and bias.
     """
+    if _func.transforms_active():
+        # Not the certified path's prepared copy: float32-accurate either way.
+        return _func.forward(x, weight, bias, scale)
     return _ops.forward(x, weight, bias, scale, prepared_weight)
 
 
@@ -88,6 +95,8 @@ def forward_with_argmax(
     index; in a row holding NaN, the first NaN. Its shape, dtype and device errors are labelled
     ``forward`` (the kernels are forward's).
     """
+    if _func.transforms_active():
+        return _func.forward_with_argmax(x, weight, bias, scale)
     return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
 
 
@@ -101,4 +110,7 @@ def model_forward(
     step. x's and the weight's ranks and widths are checked as ``model_forward``'s; the rest by the
     op each argument goes to, whose name the error gives (``fold`` or ``forward``).
     """
+    check_int64("model_forward", "pool_kernel_size", pool_kernel_size)
+    if _func.transforms_active():
+        return _func.model_forward(x, weight, bias, pool_kernel_size, scale)
     return _ops.model_forward(x, weight, bias, pool_kernel_size, scale)

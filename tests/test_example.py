@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 SMALL = ["--device", "cpu", "--steps", "6", "--log-every", "3", "--batch", "16",
          "--in-features", "64", "--out-features", "100", "--pool", "8"]
@@ -54,3 +56,19 @@ def test_ddp_without_torchrun_says_how_to_launch(tmp_path):
     result = _run([*SMALL, "--ddp"], cwd=tmp_path)
     assert result.returncode != 0
     assert "--ddp: launch with torchrun" in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--scale", "--lr"])
+def test_a_non_finite_argument_is_refused(flag, tmp_path):
+    result = _run(["--device", "cpu", "--steps", "2", flag, "nan"], cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"{flag} must be a finite number, got nan" in result.stderr
+
+
+def test_a_diverging_run_stops_with_a_failure_status(tmp_path):
+    # A learning rate this large overflows the weights within a few steps: the losses go
+    # non-finite, and NaN must not pass for a loss difference within --tol.
+    result = _run(["--device", "cpu", "--compare", "--steps", "20", "--lr", "1e30",
+                   "--in-features", "32", "--out-features", "64", "--batch", "8"], cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "non-finite loss" in result.stdout

@@ -189,6 +189,52 @@ def test_a_one_element_iterable_pool_kernel_size_is_taken_as_avg_pool1d_takes_it
     torch.testing.assert_close(new(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pool_kernel_size", [0, 2.5, None, "2", True, 2**70])
+def test_a_pool_kernel_size_set_after_construction_is_checked_at_the_call(pool_kernel_size):
+    model = ModelNew(16, 8, 2, 2.0)
+    model.pool_kernel_size = pool_kernel_size
+    match = "below 2\\*\\*63" if pool_kernel_size == 2**70 else "must be a positive integer"
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=match):
+            model(torch.rand(3, 16))
+
+
+def test_a_pool_kernel_size_set_after_construction_takes_what_the_constructor_takes():
+    model = ModelNew(16, 8, 2, 2.0)
+    reference = Model(16, 8, 4, 2.0)
+    reference.load_state_dict(model.state_dict())
+    x = torch.rand(3, 16)
+    model.pool_kernel_size = 4.0
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
+    assert model.folded_parameters()[0].shape == (2, 16)
+
+
+@pytest.mark.parametrize("scale_factor", [None, "2.0", [2.0], object()])
+def test_a_scale_factor_that_is_not_a_number_is_refused_by_name(scale_factor):
+    with pytest.raises(TypeError, match="ModelNew: scale_factor must be a real number or a tensor"):
+        ModelNew(16, 8, 2, scale_factor)
+    model = ModelNew(16, 8, 2, 2.0)
+    model.scale_factor = scale_factor
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(
+            TypeError, match="ModelNew: scale_factor must be a real number or a tensor, got"
+        ):
+            model(torch.rand(3, 16))
+
+
+def test_scale_factors_of_other_number_types_give_models_answer():
+    np = pytest.importorskip("numpy")
+    x = torch.rand(3, 16)
+    for scale in (2, np.float32(1.5), np.int64(3), True):
+        torch.manual_seed(0)
+        model = ModelNew(16, 8, 2, scale)
+        torch.manual_seed(0)
+        reference = Model(16, 8, 2, scale)
+        torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
 def test_an_iterable_pool_kernel_size_of_two_elements_is_rejected():
     np = pytest.importorskip("numpy")
     with pytest.raises(ValueError, match=r"pool_kernel_size must be a positive integer, got array"):

@@ -929,6 +929,37 @@ def _bad_input_cases():
             lambda d: ops.prepare_weight(None),
             r"prepare_weight: weight must be a tensor, got None",
         ),
+        # No tensor at all, through the dispatcher: the message of the kernels' checks, not the
+        # dispatcher's "There were no tensor arguments".
+        "raw_fold_no_tensor": (
+            lambda d: _OPS.fold(None, None, 2),
+            r"fold: weight must be a tensor, got None",
+        ),
+        "raw_prepare_weight_none": (
+            lambda d: _OPS.prepare_weight(None),
+            r"prepare_weight: weight must be a tensor, got None",
+        ),
+        "raw_fold_backward_no_tensor": (
+            lambda d: _OPS.fold_backward(None, None, 8, 2),
+            r"fold_backward: grad_pooled_weight must be a tensor, got None",
+        ),
+        "raw_forward_with_argmax_no_tensor": (
+            lambda d: _OPS.forward_with_argmax(None, None, None, 2.0),
+            r"forward: x must be a tensor, got None",
+        ),
+        "raw_forward_backward_no_tensor": (
+            lambda d: _OPS.forward_backward(None, None, None, None, None, None, 2.0),
+            r"forward_backward: x must be a tensor, got None",
+        ),
+        "fold_backward_out_features_past_memory": (  # 2 rows of 2^61 each: 2^62 x 4 floats
+            lambda d: _OPS.fold_backward(t(2, 4, device=d), t(2, device=d), 2**62, 2**61),
+            r"fold_backward: out_features must keep the \[out_features, in_features\] gradient's "
+            r"bytes within 2\^63, got \[4611686018427387904, 4\] of 4-byte elements",
+        ),
+        "raw_model_backward_no_tensor": (
+            lambda d: _OPS.model_backward(None, None, None, None, None, 2.0, 8, 2),
+            r"model_backward: grad_out must be a tensor, got None",
+        ),
         "forward_backward_argmax_none": (
             lambda d: fwb(d, argmax=None)(),
             r"forward_backward: argmax must be a tensor, got None",

@@ -246,7 +246,8 @@ def test_model_new_keeps_a_prepared_weight_on_cuda_only(device):
     x = torch.randn(8, 32, device=device)
     with torch.no_grad():
         first = model(x)
-        _, _, prepared = model._folded(model.matmul.weight, model.matmul.bias)
+        _, _, prepared = model._folded(model.matmul.weight, model.matmul.bias,
+                                       model.pool_kernel_size)
         assert (prepared is not None) == (device == "cuda")
         with torch.no_grad():
             model.matmul.weight.add_(0.5)  # refolded and prepared again on the next call
