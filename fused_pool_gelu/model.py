@@ -141,6 +141,11 @@ def _written_in_place_by_fsdp(tensor: Tensor) -> bool:
     return False
 
 
+def _is_dtensor(tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
 def _what_the_fold_cannot_run(linear: nn.Module) -> str:
     """The hooks and forward that make ``linear`` more than x @ weight.T + bias, named."""
 
@@ -427,6 +432,12 @@ class ModelNew(nn.Module):
         if weight is None:
             weight = linear.weight
         bias = params["bias"] if "bias" in params else linear.bias
+        if type(weight) is not nn.Parameter and _is_dtensor(weight):
+            # Sharded by fused_pool_gelu.parallel.PoolGroupParallel (the unsharded parameters
+            # under FSDP2 alone are plain tensors).
+            from .parallel import sharded_forward
+
+            return sharded_forward(x, weight, bias, self.pool_kernel_size, scale)
         try:
             if torch.is_grad_enabled() and (
                 weight.requires_grad or (bias is not None and bias.requires_grad)
