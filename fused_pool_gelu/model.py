@@ -216,8 +216,12 @@ class ModelNew(nn.Module):
     a ``matmul`` that does more than ``x @ weight.T + bias`` (module hooks on it, as
     ``spectral_norm``, pruning and the old ``weight_norm`` register, global module hooks, or a
     subclass with its own ``forward``, e.g. a LoRA or quantized layer), and a tensor
-    ``scale_factor`` (whose gradient Model computes). The new-style ``torch.nn.utils.parametrize``
-    needs no hooks and keeps the fused path.
+    ``scale_factor`` (whose gradient Model computes). The hooks and subclasses warn once per
+    module (a tensor ``scale_factor`` does not: it is asked for). The new-style
+    ``torch.nn.utils.parametrize`` needs no hooks and keeps the fused path, and so does FSDP2:
+    ``fully_shard`` of the model or of ``matmul`` (whose two hooks ModelNew runs around the fused
+    block; FSDP2's unsharded parameters are refolded every call, never cached). DTensor parameters
+    placed by :class:`fused_pool_gelu.parallel.PoolGroupParallel` run its sharded forward.
     """
 
     def __init__(self, in_features, out_features, pool_kernel_size, scale_factor):
