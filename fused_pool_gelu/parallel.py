@@ -48,7 +48,7 @@ reference Model spreads it to every row). The fold runs in every call (no cache,
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,7 @@ class _Part(NamedTuple):
 
 
 def _parts(out_features: int, pool_kernel_size: int, world_size: int) -> List[_Part]:
+    """Every rank's _Part, in rank order."""
     chunk = -(-out_features // world_size)  # DTensor's Shard(0): torch.chunk's sizes
     grouped = out_features // pool_kernel_size * pool_kernel_size  # rows before the tail
     parts = []
@@ -130,7 +131,7 @@ class _BorrowedRows(torch.autograd.Function):
         borrowed = torch.cat([gathered[other][: parts[other].lent] for other in lenders]
                              or [sent[:0]])
         ctx.parts, ctx.rank, ctx.group = parts, rank, group
-        ctx.pool_kernel_size, ctx.lenders, ctx.has_bias = pool_kernel_size, lenders, has_bias
+        ctx.pool_kernel_size, ctx.has_bias = pool_kernel_size, has_bias
         in_features = lent_weight.shape[1]
         return borrowed[:, :in_features], (borrowed[:, in_features] if has_bias else None)
 

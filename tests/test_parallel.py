@@ -607,12 +607,12 @@ def _mesh_2d(ctx):
                             mesh_dim_names=("dp", "tp"))
 
 
-def _fsdp_over_plan(model, mesh):
+def _fsdp_over_plan(model, mesh, **kwargs):
     from torch.distributed.fsdp import fully_shard
 
     _plan(model, mesh["tp"])
-    fully_shard(model.matmul, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    fully_shard(model.matmul, mesh=mesh["dp"], **kwargs)
+    fully_shard(model, mesh=mesh["dp"], **kwargs)
     return model
 
 
@@ -635,6 +635,15 @@ def fsdp_over_the_plan_on_a_2d_mesh_matches_model_new(ctx):
         assert parameter.grad.placements == parameter.placements, name
         torch.testing.assert_close(parameter.grad.full_tensor(), full.get_parameter(name).grad,
                                    atol=tol, rtol=tol)
+    # FSDP2's bfloat16 mixed precision over the plan: the shards compute on bfloat16 parameters.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model = _fsdp_over_plan(copy.deepcopy(full), mesh, mp_policy=policy)
+    out = _data_parallel_step(model, x, grad_out, dp_rank, data_parallel)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.to(ctx.dtype), expected.detach().chunk(data_parallel)[dp_rank],
+                               atol=BFLOAT16_TOLERANCE, rtol=BFLOAT16_TOLERANCE)
 
 
 # Distributed checkpoints (torch.distributed.checkpoint), saved on one layout, loaded on another.
