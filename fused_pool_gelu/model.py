@@ -7,6 +7,8 @@ import copy
 import math
 import numbers
 import operator
+import sys
+import warnings
 import weakref
 from typing import Optional, Tuple
 
@@ -89,6 +91,104 @@ def _is_plain_linear(linear: nn.Module) -> bool:
     )
 
 
+# torch's FSDP2 (fully_shard) module that defines FSDPState; loaded only by programs that use it.
+_FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+
+def _fsdp_forward_hooks(linear: nn.Module):
+    """(pre_hook, post_hook) where the only hooks on ``linear`` are the two that FSDP2's
+    ``fully_shard(linear)`` registers (unshard and input cast before the forward; reshard, the
+    pre-backward hook and output cast after it), else None. Around them the Linear is a plain
+    x @ weight.T + bias on the unsharded parameters, which ModelNew can fold."""
+    fsdp_state = sys.modules.get(_FSDP_STATE_MODULE)
+    if fsdp_state is None or type(linear).forward is not _LINEAR_FORWARD:
+        return None
+    pre_hooks, post_hooks = linear._forward_pre_hooks, linear._forward_hooks
+    if (len(pre_hooks) != 1 or len(post_hooks) != 1
+            or linear._backward_pre_hooks or linear._backward_hooks
+            or _GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS
+            or _GLOBAL_BACKWARD_PRE_HOOKS or _GLOBAL_BACKWARD_HOOKS):
+        return None
+    ((pre_id, pre_hook),) = pre_hooks.items()
+    ((post_id, post_hook),) = post_hooks.items()
+    state_type = fsdp_state.FSDPState
+    state = getattr(pre_hook, "__self__", None)
+    if (not isinstance(state, state_type)
+            or getattr(post_hook, "__self__", None) is not state
+            or getattr(pre_hook, "__func__", None) is not state_type._pre_forward
+            or getattr(post_hook, "__func__", None) is not state_type._post_forward
+            or not linear._forward_pre_hooks_with_kwargs.get(pre_id, False)
+            or post_id in linear._forward_hooks_with_kwargs):
+        return None
+    return pre_hook, post_hook
+
+
+# id of each unsharded parameter _written_in_place_by_fsdp found -> a weak reference to the
+# FSDPParam that owns it (not to the tensor: torch.utils.swap_tensors refuses tensors with weak
+# references, and load_state_dict may swap ModelNew's parameters).
+_FSDP_UNSHARDED_PARAMETERS = {}
+
+
+def _written_in_place_by_fsdp(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a parameter that FSDP2 all-gathers into: it rewrites that tensor at
+    every unshard with its version counter preserved (on a caching allocator often at the same
+    address), so a fold cached on it would go stale. FSDP keeps one unsharded parameter object
+    across iterations: found once, it is recognised from then on by its id."""
+    fsdp_state = sys.modules.get(_FSDP_STATE_MODULE)
+    if fsdp_state is None:
+        return False
+    known = _FSDP_UNSHARDED_PARAMETERS.get(id(tensor))
+    if known is not None and getattr(known(), "_unsharded_param", None) is tensor:
+        return True
+    from torch.distributed._composable_state import _module_state_mapping
+
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        if not isinstance(state, fsdp_state.FSDPState):
+            continue
+        try:
+            for group in state._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    if getattr(fsdp_param, "_unsharded_param", None) is tensor:
+                        _FSDP_UNSHARDED_PARAMETERS[id(tensor)] = weakref.ref(fsdp_param)
+                        return True
+        except AttributeError:  # FSDP's internals moved: assume it writes, cache nothing
+            return True
+    return False
+
+
+def _is_dtensor(tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
+def _what_the_fold_cannot_run(linear: nn.Module) -> str:
+    """The hooks and forward that make ``linear`` more than x @ weight.T + bias, named."""
+
+    def name(hook):
+        hook = getattr(hook, "__func__", hook)
+        return getattr(hook, "__qualname__", type(hook).__qualname__)
+
+    parts = []
+    if type(linear).forward is not _LINEAR_FORWARD:
+        parts.append(f"its own forward ({type(linear).__qualname__}.forward)")
+    for kind, hooks in (
+        ("forward pre-hook", linear._forward_pre_hooks),
+        ("forward hook", linear._forward_hooks),
+        ("backward pre-hook", linear._backward_pre_hooks),
+        ("backward hook", linear._backward_hooks),
+    ):
+        parts += [f"{kind} {name(hook)}" for hook in hooks.values()]
+    if (_GLOBAL_FORWARD_PRE_HOOKS or _GLOBAL_FORWARD_HOOKS
+            or _GLOBAL_BACKWARD_PRE_HOOKS or _GLOBAL_BACKWARD_HOOKS):
+        parts.append("global module hooks (torch.nn.modules.module.register_module_*_hook)")
+    return ", ".join(parts)
+
+
+# ModelNew instances that have warned that they run Model's computation.
+_WARNED_UNFUSED = weakref.WeakSet()
+
+
 def pool_kernel_size_of(model: nn.Module) -> int:
     """The pooling window of a :class:`Model` or :class:`ModelNew` (the callers check which),
     checked."""
@@ -132,8 +232,12 @@ class ModelNew(nn.Module):
     a ``matmul`` that does more than ``x @ weight.T + bias`` (module hooks on it, as
     ``spectral_norm``, pruning and the old ``weight_norm`` register, global module hooks, or a
     subclass with its own ``forward``, e.g. a LoRA or quantized layer), and a tensor
-    ``scale_factor`` (whose gradient Model computes). The new-style ``torch.nn.utils.parametrize``
-    needs no hooks and keeps the fused path.
+    ``scale_factor`` (whose gradient Model computes). The hooks and subclasses warn once per
+    module (a tensor ``scale_factor`` does not: it is asked for). The new-style
+    ``torch.nn.utils.parametrize`` needs no hooks and keeps the fused path, and so does FSDP2:
+    ``fully_shard`` of the model or of ``matmul`` (whose two hooks ModelNew runs around the fused
+    block; FSDP2's unsharded parameters are refolded every call, never cached). DTensor parameters
+    placed by :class:`fused_pool_gelu.parallel.PoolGroupParallel` run its sharded forward.
     """
 
     def __init__(self, in_features, out_features, pool_kernel_size, scale_factor):
@@ -253,6 +357,10 @@ class ModelNew(nn.Module):
                 else None
             )
         folded = (pooled_weight, pooled_bias, prepared_weight)
+        if _written_in_place_by_fsdp(weight) or (
+            bias is not None and _written_in_place_by_fsdp(bias)
+        ):
+            return folded  # FSDP2's unsharded parameters: refolded every call
         storage_refs = self._storage_refs(weight, bias, stamp)
         if storage_refs is not None:
             # One assignment of a whole entry: concurrent callers see either the old or the new
@@ -324,12 +432,49 @@ class ModelNew(nn.Module):
         if linear is None:
             linear = self.matmul
         if not _is_plain_linear(linear) or (type(scale) is not float and isinstance(scale, Tensor)):
+            return self._forward_around_hooks(linear, x, pool_kernel_size, scale)
+        return self._fused_forward(linear, x, pool_kernel_size, scale)
+
+    def _forward_around_hooks(self, linear: nn.Module, x: Tensor, pool_kernel_size: int,
+                              scale) -> Tensor:
+        # What _is_plain_linear refuses. FSDP2's own hooks on matmul are run around the fused
+        # block, as nn.Module would run them around the Linear's forward; anything else runs
+        # Model's computation, with a warning the first time (a tensor scale_factor, whose
+        # gradient Model computes, is documented and does not warn).
+        if isinstance(scale, Tensor):
             return self._reference_forward(linear, x)
+        hooks = _fsdp_forward_hooks(linear)
+        if hooks is not None:
+            pre_hook, post_hook = hooks
+            args, _ = pre_hook(linear, (x,), {})
+            out = self._fused_forward(linear, args[0], pool_kernel_size, scale)
+            return post_hook(linear, args, out)
+        if self not in _WARNED_UNFUSED:
+            _WARNED_UNFUSED.add(self)
+            warnings.warn(
+                f"fused_pool_gelu.ModelNew: matmul ({type(linear).__name__}) runs more than "
+                f"x @ weight.T + bias: {_what_the_fold_cannot_run(linear)}. The fold cannot see "
+                "through that, so this module runs Model's computation (the unfused Linear, "
+                "AvgPool1d, GELU and max: Model's numbers and speed, several to tens of times "
+                "slower than the fused path, docs/performance.md). Remove it to get the fused "
+                "path back; FSDP2's fully_shard(matmul) alone keeps it. Warned once per module.",
+                stacklevel=5,  # the caller of model(x), through nn.Module.__call__
+            )
+        return self._reference_forward(linear, x)
+
+    def _fused_forward(self, linear: nn.Module, x: Tensor, pool_kernel_size: int,
+                       scale) -> Tensor:
         params = linear._parameters
         weight = params.get("weight")
         if weight is None:
             weight = linear.weight
         bias = params["bias"] if "bias" in params else linear.bias
+        if type(weight) is not nn.Parameter and _is_dtensor(weight):
+            # Sharded by fused_pool_gelu.parallel.PoolGroupParallel (the unsharded parameters
+            # under FSDP2 alone are plain tensors).
+            from .parallel import sharded_forward
+
+            return sharded_forward(x, weight, bias, pool_kernel_size, scale)
         try:
             if torch.is_grad_enabled() and (
                 weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -718,6 +719,35 @@ def test_a_tensor_scale_factor_gets_models_gradient(device):
     assert new.scale_factor.grad is not None
     assert torch.equal(new.scale_factor.grad, model.scale_factor.grad)
     assert torch.equal(new.matmul.weight.grad, model.matmul.weight.grad)
+
+
+def test_what_the_fold_cannot_see_through_warns_once_per_module_naming_it(device):
+    # Model's computation is several to tens of times slower than the fused path: never silently.
+    # The fused path and a tensor scale_factor (documented: Model computes its gradient) do not
+    # warn.
+    _, new = _pair((24, 16, 4, 2.0), device)
+    _, other = _pair((24, 16, 4, 2.0), device)
+    x = torch.rand(6, 24, device=device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new(x)
+        _, scaled = _pair((24, 16, 4, 2.0), device)
+        scaled.scale_factor = torch.nn.Parameter(torch.tensor(1.5, device=device))
+        scaled(x)
+        assert not [w for w in caught if "fused_pool_gelu" in str(w.message)]
+        new.matmul.register_forward_pre_hook(lambda module, args: None)
+        other.matmul.__class__ = _LinearTimesTwo
+        for _ in range(2):
+            new(x)
+            other(x)
+    messages = [str(w.message) for w in caught if "fused_pool_gelu" in str(w.message)]
+    assert len(messages) == 2, messages
+    assert all(w.filename == __file__ for w in caught), [w.filename for w in caught]
+    assert "matmul (Linear) runs more than x @ weight.T + bias: forward pre-hook" in messages[0]
+    assert "<lambda>" in messages[0]
+    assert "its own forward (_LinearTimesTwo.forward)" in messages[1]
+    for message in messages:
+        assert "runs Model's computation" in message and "slower" in message
 
 
 def test_an_in_place_edit_of_the_folded_parameters_makes_the_next_call_refold(fold_calls, device):
