@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "cuda/common.cuh"
 #include "cuda/forward_plan.h"
 
 #ifndef FPG_WITH_SM90A
@@ -89,6 +90,22 @@ inline fg::GemmParams gemm_params(const GemmOperands& ops, float* partial, int64
   p.k = k_padded;
   p.k_per_split = k_per_split;
   return p;
+}
+
+// The grid of a 3xTF32 GEMM launch (both kernels share tiles and plan) over `batch` rows: n tiles
+// fastest, so that the CTAs running together share x row tiles and the weight (N x K, the smaller
+// operand at large B) stays in L2 while the batch is swept; then row tiles, then splits.
+inline dim3 tf32x3_gemm_grid(const TcPlan& plan, int64_t batch, int64_t n) {
+  TORCH_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
+              " splits");
+  // Row tiles go on grid y (at most 65535). A workspace slice holds at most kMaxWorkspaceFloats
+  // partial sums, at least one per row, so its row tiles always fit there: one launch.
+  static_assert(kMaxWorkspaceFloats <= kMaxGridYZ * fg::kTcBlockM, "slice row tiles fit grid y");
+  TORCH_CHECK(batch <= kMaxGridYZ * fg::kTcBlockM, "fused_pool_gelu.forward: internal error: ",
+              batch, " rows in one tensor-core launch");
+  return dim3(grid_blocks(n, fg::kTcBlockN, "weight rows"),
+              static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcBlockM})),
+              static_cast<unsigned>(plan.splits));
 }
 
 // gemv.cu: the row-parallel, SIMT split-K and 3xTF32 tensor-core GEMVs.

@@ -201,20 +201,9 @@ void configure_gemm_sm80_kernels(int max_smem_optin, DeviceLimits& limits) {
 
 void launch_tf32x3_gemm_sm80(const TcPlan& plan, const GemmOperands& ops, float* partial,
                              int64_t batch, int64_t n, int64_t k_padded, cudaStream_t stream) {
-  const unsigned n_tiles = grid_blocks(n, fg::kTcBlockN, "weight rows");
-  TORCH_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
-              " splits");
-  // Row tiles go on grid y (at most 65535). A workspace slice holds at most kMaxWorkspaceFloats
-  // partial sums, at least one per row, so its row tiles always fit there: one launch.
-  static_assert(kMaxWorkspaceFloats <= kMaxGridYZ * fg::kTcBlockM, "slice row tiles fit grid y");
-  TORCH_CHECK(batch <= kMaxGridYZ * fg::kTcBlockM, "fused_pool_gelu.forward: internal error: ",
-              batch, " rows in one tensor-core launch");
+  const dim3 grid = tf32x3_gemm_grid(plan, batch, n);
   const fg::GemmParams p =
       gemm_params(ops, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
-  // n tiles fastest: the CTAs running together share x row tiles, and the weight (N x K, the
-  // smaller operand at large B) stays in L2 while the batch is swept.
-  const dim3 grid(n_tiles, static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcBlockM})),
-                  static_cast<unsigned>(plan.splits));
   fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

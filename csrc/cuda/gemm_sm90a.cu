@@ -245,16 +245,9 @@ void launch_tf32x3_gemm_sm90a(const TcPlan& plan, const GemmOperands& ops, float
   static_assert(fg::kWgBlockM == fg::kTcBlockM && fg::kWgBlockN == fg::kTcBlockN &&
                     fg::kWgBlockK == fg::kTcBlockK,
                 "one split-K plan for both tensor-core kernels");
-  const unsigned n_tiles = grid_blocks(n, fg::kTcBlockN, "weight rows");
-  TORCH_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
-              " splits");
-  TORCH_CHECK(batch <= kMaxGridYZ * fg::kTcBlockM, "fused_pool_gelu.forward: internal error: ",
-              batch, " rows in one tensor-core launch");
+  const dim3 grid = tf32x3_gemm_grid(plan, batch, n);
   const fg::GemmParams p =
       gemm_params(ops, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
-  // As the mma.sync GEMM's grid (gemm_sm80.cu): n tiles fastest.
-  const dim3 grid(n_tiles, static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcBlockM})),
-                  static_cast<unsigned>(plan.splits));
   fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
