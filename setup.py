@@ -158,8 +158,8 @@ def _extension():
     ]
     # DEBUG: device debug info without device optimisation (cuda-gdb, compute-sanitizer lines).
     nvcc_flags += ["-g", "-G"] if debug else ["-lineinfo"]
-    # The *_sm90a.cu units hold only Hopper's wgmma kernels: compiled for sm_90a alone (BuildExtension
-    # below), and left out of builds whose arch list lacks 9.0a.
+    # The *_sm90a.cu units hold only Hopper's wgmma kernels: compiled for sm_90a alone
+    # (BuildExtension below), and left out of builds whose arch list lacks 9.0a.
     cuda_sources = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
     if not _has_sm90a(archs):
         cuda_sources = [p for p in cuda_sources if not p.name.endswith(SM90A_SUFFIX)]
@@ -203,6 +203,8 @@ def _build_ext():
                     depends=ext.depends,
                 )
                 ext.extra_objects = list(ext.extra_objects or []) + objects
+                # Still a dependency of the link: a changed sm_90a unit alone must relink.
+                ext.depends = list(ext.depends or []) + hopper
             super().build_extension(ext)
 
     return BuildExtensionWithSm90a.with_options(no_python_abi_suffix=True)

@@ -28,8 +28,12 @@ unsigned read_knob_bits() {
 DebugKnobs debug_knobs() {
   unsigned bits = knob_bits.load(std::memory_order_relaxed);
   if (bits == 0) {
+    // Only where nothing was stored since: a reload racing this first read keeps its bits.
+    unsigned expected = 0;
     bits = read_knob_bits();
-    knob_bits.store(bits, std::memory_order_relaxed);
+    if (!knob_bits.compare_exchange_strong(expected, bits, std::memory_order_relaxed)) {
+      bits = expected;
+    }
   }
   DebugKnobs knobs;
   knobs.certified = static_cast<CertifiedMode>((bits >> 1) & 3u);

@@ -72,11 +72,14 @@ torch.library.register_autograd(
 )
 
 
+FORWARD_DOUBLE_BACKWARD_ERROR = (
+    "fused_pool_gelu.forward_backward: double backward (gradients of gradients of forward) is not "
+    "supported"
+)
+
+
 def _forward_backward_backward(ctx, *grads):
-    raise RuntimeError(
-        "fused_pool_gelu.forward_backward: double backward (gradients of gradients of forward) "
-        "is not supported"
-    )
+    raise RuntimeError(FORWARD_DOUBLE_BACKWARD_ERROR)
 
 
 torch.library.register_autograd(

@@ -1,4 +1,5 @@
-"""Debug knobs: the environment variables that pick the CUDA forward's path, for tests and benchmarks.
+"""Debug knobs: the environment variables that pick the CUDA forward's path, for tests and
+benchmarks.
 
     FUSED_POOL_GELU_CERTIFIED        unset or "": the certified path where it is faster; "1":
                                      wherever it applies; "0": never (the 3xTF32 GEMM instead)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch._C._functorch import TransformType, peek_interpreter_stack
 
+from ._autograd import FORWARD_DOUBLE_BACKWARD_ERROR
 from ._checks import check_model_forward_inputs
 
 _ops = torch.ops.fused_pool_gelu
@@ -30,11 +31,12 @@ def _refuse_tangents(op, names, tangents):
 
 def transforms_active() -> bool:
     """Whether the innermost active torch.func transform is one the ops go through this module
-    for: any but forward mode's (jvp, jacfwd), under which they keep their kernels, whose
-    autograd-level checks refuse a tangent naming the op and the argument."""
+    for: grad (vjp, jacrev) or vmap. Under forward mode (jvp, jacfwd) they keep their kernels, whose
+    autograd-level checks refuse a tangent naming the op and the argument; under functionalize
+    too, which takes the ops as they are and has no rule for autograd.Functions."""
     if not torch._C._are_functorch_transforms_active():
         return False
-    return peek_interpreter_stack().key() != TransformType.Jvp
+    return peek_interpreter_stack().key() in (TransformType.Grad, TransformType.Vmap)
 
 
 def _select(t, dim, i):
@@ -43,6 +45,11 @@ def _select(t, dim, i):
 
 def _stack_per_sample(function, info, in_dims, *args):
     # vmap by a loop over the batch: for what no single call of the op covers.
+    if info.batch_size == 0:
+        raise RuntimeError(
+            f"fused_pool_gelu: vmap of {function.__name__} over an empty batch is not supported "
+            "(no sample to take the outputs' shapes from)"
+        )
     outputs = [function.apply(*(_select(a, d, i) if isinstance(a, torch.Tensor) else a
                                 for a, d in zip(args, in_dims)))
                for i in range(info.batch_size)]
@@ -103,15 +110,16 @@ class FoldBackward(torch.autograd.Function):
 
 
 class ForwardWithArgmax(torch.autograd.Function):
-    """forward_with_argmax(x, weight, bias, scale); its derivative is forward_backward."""
+    """forward_with_argmax(x, weight, bias, scale, prepared_weight); its derivative is
+    forward_backward (none for the prepared weight, a uint8 copy the op checks and reads)."""
 
     @staticmethod
-    def forward(x, weight, bias, scale):
-        return _ops.forward_with_argmax(x, weight, bias, scale)
+    def forward(x, weight, bias, scale, prepared_weight):
+        return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, scale = inputs
+        x, weight, bias, scale, _prepared_weight = inputs
         _, argmax, preactivation = output
         ctx.mark_non_differentiable(argmax)
         ctx.save_for_backward(x, weight, argmax, preactivation)
@@ -124,21 +132,25 @@ class ForwardWithArgmax(torch.autograd.Function):
         grad_x, grad_weight, grad_bias = ForwardBackward.apply(
             grad_out, grad_preactivation, x, weight, argmax, preactivation, ctx.scale
         )
-        return grad_x, grad_weight, (grad_bias if ctx.has_bias else None), None
+        return grad_x, grad_weight, (grad_bias if ctx.has_bias else None), None, None
 
     @staticmethod
     def jvp(ctx, *tangents):
         _refuse_tangents("forward", ("x", "weight", "bias"), tangents)
 
     @staticmethod
-    def vmap(info, in_dims, x, weight, bias, scale):
-        x_dim, weight_dim, bias_dim, _ = in_dims
-        if weight_dim is None and bias_dim is None and x_dim is not None:
-            # Only x batched (ensembles of inputs): one call over the flattened rows.
+    def vmap(info, in_dims, x, weight, bias, scale, prepared_weight):
+        x_dim, weight_dim, bias_dim, _, prepared_dim = in_dims
+        if (weight_dim is None and bias_dim is None and prepared_dim is None
+                and x_dim is not None and x.dim() == 3):
+            # Only x batched, samples [B, K] (ensembles of inputs): one call over the rows.
             x = x.movedim(x_dim, 0)
-            outputs = ForwardWithArgmax.apply(x.reshape(-1, x.shape[-1]), weight, bias, scale)
+            outputs = ForwardWithArgmax.apply(x.reshape(-1, x.shape[-1]), weight, bias, scale,
+                                              prepared_weight)
             return tuple(t.view(x.shape[:2]) for t in outputs), (0, 0, 0)
-        return _stack_per_sample(ForwardWithArgmax, info, in_dims, x, weight, bias, scale)
+        # Anything else sample by sample, each checked by the op as outside vmap.
+        return _stack_per_sample(ForwardWithArgmax, info, in_dims, x, weight, bias, scale,
+                                 prepared_weight)
 
 
 class ForwardBackward(torch.autograd.Function):
@@ -155,10 +167,7 @@ class ForwardBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(
-            "fused_pool_gelu.forward_backward: double backward (gradients of gradients of forward) "
-            "is not supported"
-        )
+        raise RuntimeError(FORWARD_DOUBLE_BACKWARD_ERROR)
 
     @staticmethod
     def vmap(info, in_dims, grad_out, grad_preactivation, x, weight, argmax, preactivation,
@@ -171,12 +180,12 @@ def fold(weight, bias, pool_kernel_size):
     return Fold.apply(weight, bias, pool_kernel_size)
 
 
-def forward_with_argmax(x, weight, bias, scale):
-    return ForwardWithArgmax.apply(x, weight, bias, scale)
+def forward_with_argmax(x, weight, bias, scale, prepared_weight=None):
+    return ForwardWithArgmax.apply(x, weight, bias, scale, prepared_weight)
 
 
-def forward(x, weight, bias, scale):
-    return ForwardWithArgmax.apply(x, weight, bias, scale)[0]
+def forward(x, weight, bias, scale, prepared_weight=None):
+    return ForwardWithArgmax.apply(x, weight, bias, scale, prepared_weight)[0]
 
 
 def model_forward(x, weight, bias, pool_kernel_size, scale):

@@ -395,11 +395,10 @@ class ModelNew(nn.Module):
         # filled during capture would hold values that exist only after the first replay.
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
-    def _reference_forward(self, linear: nn.Module, x: Tensor) -> Tensor:
+    def _reference_forward(self, linear: nn.Module, x: Tensor, pool_kernel_size: int) -> Tensor:
         # Model's computation, for what the fold cannot express: a `matmul` that runs more than
         # x @ weight.T + bias (hooks, its own forward) or a tensor scale_factor (which may want
-        # its gradient).
-        pool_kernel_size = _checked_pool_kernel_size(self.pool_kernel_size)
+        # its gradient). pool_kernel_size: the attribute, checked.
         return _pooled_gelu_max(
             linear(x),
             lambda y: torch.nn.functional.avg_pool1d(y, pool_kernel_size),
@@ -419,7 +418,7 @@ class ModelNew(nn.Module):
             # fake kernels and Python autograd formulas: the fold becomes part of the graph.
             linear = self.matmul
             if not _is_plain_linear(linear) or isinstance(scale, Tensor):
-                return self._reference_forward(linear, x)
+                return self._reference_forward(linear, x, pool_kernel_size)
             pooled_weight, pooled_bias = ops.fold(linear.weight, linear.bias, pool_kernel_size)
             return ops.forward(x, pooled_weight, pooled_bias, scale)
         # nn.Module's attribute lookups go through __getattr__, about a microsecond of host time
@@ -442,7 +441,7 @@ class ModelNew(nn.Module):
         # Model's computation, with a warning the first time (a tensor scale_factor, whose
         # gradient Model computes, is documented and does not warn).
         if isinstance(scale, Tensor):
-            return self._reference_forward(linear, x)
+            return self._reference_forward(linear, x, pool_kernel_size)
         hooks = _fsdp_forward_hooks(linear)
         if hooks is not None:
             pre_hook, post_hook = hooks
@@ -460,7 +459,7 @@ class ModelNew(nn.Module):
                 "path back; FSDP2's fully_shard(matmul) alone keeps it. Warned once per module.",
                 stacklevel=5,  # the caller of model(x), through nn.Module.__call__
             )
-        return self._reference_forward(linear, x)
+        return self._reference_forward(linear, x, pool_kernel_size)
 
     def _fused_forward(self, linear: nn.Module, x: Tensor, pool_kernel_size: int,
                        scale) -> Tensor:

@@ -76,8 +76,7 @@ def forward(
     torch.max semantics (a NaN in a row makes that row NaN). Differentiable in x, weight and bias.
     """
     if _func.transforms_active():
-        # Not the certified path's prepared copy: float32-accurate either way.
-        return _func.forward(x, weight, bias, scale)
+        return _func.forward(x, weight, bias, scale, prepared_weight)
     return _ops.forward(x, weight, bias, scale, prepared_weight)
 
 
@@ -96,7 +95,7 @@ def forward_with_argmax(
     ``forward`` (the kernels are forward's).
     """
     if _func.transforms_active():
-        return _func.forward_with_argmax(x, weight, bias, scale)
+        return _func.forward_with_argmax(x, weight, bias, scale, prepared_weight)
     return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
 
 

@@ -160,7 +160,7 @@ def test_certified_forward_matches_float64(
     v64 = ref.values(x, weight, bias, scale).max(dim=1).values
     assert _relative_error(out, v64) <= 1e-6
     if (batch, in_features, pooled) == (1024, 8192, 512) and scale == 2.0:
-        # benchmarks/simulate_certified.py on data like this: 1.4 candidates per row on average,
+        # research/simulate_certified.py on data like this: 1.4 candidates per row on average,
         # 99.9% of rows at most 5 (TF32 operands: 1.7; fp16 with the worst-case operand bound
         # r(v) <= 2^-11 |v| instead of the rows' residual norms: more than twice the bound; a mean
         # above 2.5 means the norms are not in use or the copies lost precision).

@@ -145,3 +145,37 @@ def test_jit_script_says_what_to_use_instead():
             with pytest.raises(RuntimeError, match="ModelNew does not support torch.jit.script"
                                                    r".*use torch.compile or torch.export"):
                 torch.jit.script(scripted)
+
+
+def test_functionalize_takes_the_ops_as_they_are(device):
+    model, _ = _pair(device)
+    x = torch.rand(4, K, device=device)
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(torch.func.functionalize(model)(x), expected, atol=0, rtol=0)
+
+
+def test_vmap_over_one_dimensional_samples_raises_as_outside_vmap(device):
+    # Samples of shape [K]: the op's own "must be 2-D", not a reshape of the wrong rows.
+    weight = torch.rand(4, 1, device=device)
+    bias = torch.rand(4, device=device)
+    with pytest.raises(RuntimeError, match="forward: x must be 2-D"):
+        vmap(lambda t: fused_pool_gelu.forward(t, weight, bias, SCALE))(
+            torch.rand(3, 1, device=device)
+        )
+
+
+def test_a_prepared_weight_is_checked_under_transforms_too(device):
+    torch.manual_seed(3)
+    weight, other = torch.rand(4, K, device=device), torch.rand(4, K, device=device)
+    bias = torch.rand(4, device=device)
+    prepared = fused_pool_gelu.prepare_weight(other)
+    x = torch.rand(3, K, device=device)
+    with pytest.raises(RuntimeError, match="prepared_weight"):
+        grad(lambda t: fused_pool_gelu.forward(t, weight, bias, SCALE, prepared).sum())(x)
+    good = fused_pool_gelu.prepare_weight(weight)
+    torch.testing.assert_close(
+        grad(lambda t: fused_pool_gelu.forward(t, weight, bias, SCALE, good).sum())(x),
+        grad(lambda t: fused_pool_gelu.forward(t, weight, bias, SCALE).sum())(x),
+        atol=0, rtol=0,
+    )

@@ -315,7 +315,7 @@ void launch_epilogue(const EpiloguePlan& plan, const EpilogueParams& p, at::Tens
     };
     constexpr std::integral_constant<int, 1> kScalarLoads{};
     constexpr std::integral_constant<int, 4> kVectorLoads{};
-    // Split bound 0 (batches of kSplitBatch) or a power of two up to kMaxBound.
+    // Split bound 0 (batches of kSplitBatch) or a power of two up to max_bound.
     auto with_split_bound = [&](auto max_bound, auto threads_per_row, auto columns_per_load) {
       if (plan.split_bound == 0) {
         launch(threads_per_row, std::integral_constant<int, 0>{}, columns_per_load);

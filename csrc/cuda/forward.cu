@@ -20,6 +20,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -310,6 +311,9 @@ at::Tensor prepare_weight_cuda(const at::Tensor& weight) {
 }  // namespace
 
 const DeviceLimits& device_limits_of(int device) {
+  TORCH_CHECK(0 <= device && device < c10::cuda::device_count(),
+              "fused_pool_gelu._device_limits: device must be in [0, ", c10::cuda::device_count(),
+              "), got ", device);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   return device_limits(device);
 }

@@ -499,12 +499,12 @@ inline CertifiedPlan plan_certified(const DeviceLimits& limits, int64_t batch, i
 struct EpiloguePlan {
   int threads_per_row = kEpilogueThreads;  // 32 (a warp per row), 256 or 1024 (a CTA per row)
   int columns_per_load = 1;                // 4: 16-byte loads of z (and the bias)
-  // The bound the kernel sums splits for (1, 2, 4, ... up to max_split_bound, the power of two at
-  // or above the splits), or 0: batches of kSplitBatch (no split, or more than the largest bound).
+  // The bound the kernel sums splits for (1, 2, 4, ...: split_bound_for's, for the form's largest
+  // bound), or 0: batches of kSplitBatch (no split, or more than the largest bound).
   int split_bound = 0;
 };
 
-// The smallest power of two at or above `splits`, up to kMaxBound (the kernels that load every
+// The smallest power of two at or above `splits`, up to max_bound (the kernels that load every
 // split at once are compiled for these bounds).
 inline int split_bound_for(int64_t splits, int max_bound) {
   int bound = 1;
