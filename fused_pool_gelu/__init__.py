@@ -24,12 +24,14 @@ except ImportError as error:  # pragma: no cover - exercised by tests/test_build
 # The ops' fake kernels, autograd formulas and autocast kernels register themselves on import.
 from . import _autocast, _autograd, _fake  # noqa: F401
 from . import ops
+from .folded import FoldedModel
 from .model import Model, ModelNew
 from .ops import fold, forward, forward_with_argmax, prepare_weight
 
 __all__ = [
     "__version__",
     "build_info",
+    "FoldedModel",
     "fold",
     "forward",
     "forward_with_argmax",
