@@ -27,6 +27,10 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
+# The oldest torch whose LibTorch stable ABI (torch/csrc/stable, torch/headeronly) has everything
+# csrc/ calls: the binary loads under it and every later torch (parallel_for, empty, to,
+# contiguous, the stable dispatcher and STD_CUDA_CHECK are 2.10's). The wheel requires it.
+TORCH_TARGET = (2, 10)
 DEFAULT_ARCH_LIST = "8.0;9.0a"
 # Sources compiled for sm_90a only (wgmma kernels).
 SM90A_SUFFIX = "_sm90a.cu"
@@ -119,7 +123,12 @@ def _extension():
 
     debug = os.environ.get("DEBUG", "0") == "1"
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else ""
+    major, minor = TORCH_TARGET
     macros = [
+        # Only the stable ABI of TORCH_TARGET: newer stable APIs and every non-stable header
+        # (ATen, c10, torch/library.h) stay out of reach.
+        ("TORCH_TARGET_VERSION", f"0x{major:02x}{minor:02x}000000000000"),
+        ("FPG_TORCH_TARGET", f'"{major}.{minor}"'),
         ("FPG_TORCH_VERSION", f'"{torch.__version__}"'),
         ("FPG_CUDA_VERSION", f'"{torch.version.cuda if with_cuda else ""}"'),
         ("FPG_CUDA_ARCHS", f'"{archs}"'),
@@ -127,6 +136,8 @@ def _extension():
         ("FPG_WITH_CUDA", "1" if with_cuda else "0"),
         ("FPG_DEBUG", "1" if debug else "0"),
     ]
+    if with_cuda:
+        macros.append(("USE_CUDA", "1"))  # the stable ABI's CUDA shims (streams, error checks)
     host_flags = ["-O0", "-g"] if debug else ["-O3"]
     # No fused multiply-adds in host code: the CPU backward's sums round every product, as the CUDA
     # kernels' do, so that the two agree bit for bit (csrc/summation_order.h). x86-64 without

@@ -15,10 +15,11 @@ try:
 except ImportError as error:  # pragma: no cover - exercised by tests/test_build.py in a subprocess
     raise ImportError(
         "fused_pool_gelu: the compiled extension fused_pool_gelu._C could not be loaded "
-        f"({error}). The package must be built against the installed torch "
-        f"({torch.__version__}): from the source tree run `pip install --no-build-isolation .` "
-        "(or `make test`, which builds and installs a wheel). If you are running from the "
-        "source tree, run from another directory so that the installed package is imported."
+        f"({error}). It runs with torch 2.10 or later (the installed one: {torch.__version__}); "
+        "if torch is recent enough, build it: from the source tree run "
+        "`pip install --no-build-isolation .` (or `make test`, which builds and installs a "
+        "wheel). If you are running from the source tree, run from another directory so that "
+        "the installed package is imported."
     ) from error
 
 # The ops' fake kernels, autograd formulas and autocast kernels register themselves on import.
@@ -45,8 +46,10 @@ __all__ = [
 def build_info() -> dict:
     """What was compiled and what will run.
 
-    Keys: version; torch / cuda / cuda_archs / with_cuda / debug as compiled into the binary;
-    torch_runtime (the torch imported now); cuda_kernels (CUDA kernels registered);
+    Keys: version; torch (the torch the binary was compiled with), torch_target (the oldest torch
+    whose stable ABI it uses: it runs with that torch and every later one), cuda / cuda_archs /
+    with_cuda / debug as compiled into the binary; torch_runtime (the torch imported now);
+    cuda_kernels (CUDA kernels registered);
     cuda_available and device (the GPU that would run them, if any).
     """
     info = {"version": __version__}

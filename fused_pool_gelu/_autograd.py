@@ -1,76 +1,29 @@
-"""Autograd formulas of the ops whose derivatives are registered in Python.
+"""The ops' autograd kernels: their derivatives, and the refusal of forward-mode AD.
+
+The compiled library holds only device kernels (the LibTorch stable ABI has no autograd), so every
+op's Autograd-key kernel is registered here. Each one first refuses a forward-mode tangent on any
+tensor argument (the ops have no forward-mode formula: a tangent reaching a kernel would be
+dropped, the result's tangent silently zero; torch.func's jvp shows its tangents at this key and
+not below it), then either records one autograd node (grad mode on and an input requiring grad) or
+calls the device kernel below autograd.
 
 fold and fold_backward are adjoint linear maps, so each is the other's derivative (double backward
 of the fold comes for free). forward_with_argmax's derivative is the arg-max backward (no dense
-GEMM); `forward`'s autograd kernel (csrc/registration.cpp) goes through forward_with_argmax when a
-gradient is needed and straight to the device kernel otherwise. model_forward's autograd kernel is
-C++ (csrc/model_forward.cpp): the same derivatives in one node.
+GEMM); forward goes through forward_with_argmax when a gradient is needed. model_forward is fold and
+forward_with_argmax in one node whose backward is model_backward.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import _C
+from torch.autograd import forward_ad
+
+from ._checks import check_model_forward_inputs
 
 _ops = torch.ops.fused_pool_gelu
-
-
-def _fold_setup_context(ctx, inputs, output):
-    weight, bias, pool_kernel_size = inputs
-    ctx.out_features = weight.shape[0]
-    ctx.pool_kernel_size = pool_kernel_size
-    ctx.has_bias = bias is not None
-
-
-def _fold_backward(ctx, grad_pooled_weight, grad_pooled_bias):
-    grad_weight, grad_bias = _ops.fold_backward(
-        grad_pooled_weight, grad_pooled_bias, ctx.out_features, ctx.pool_kernel_size
-    )
-    return grad_weight, (grad_bias if ctx.has_bias else None), None
-
-
-torch.library.register_autograd(
-    "fused_pool_gelu::fold", _fold_backward, setup_context=_fold_setup_context
-)
-
-
-def _fold_backward_setup_context(ctx, inputs, output):
-    ctx.pool_kernel_size = inputs[3]
-
-
-def _fold_backward_backward(ctx, grad_grad_weight, grad_grad_bias):
-    ggw, ggb = _ops.fold(grad_grad_weight, grad_grad_bias, ctx.pool_kernel_size)
-    return ggw, ggb, None, None
-
-
-torch.library.register_autograd(
-    "fused_pool_gelu::fold_backward",
-    _fold_backward_backward,
-    setup_context=_fold_backward_setup_context,
-)
-
-
-def _forward_setup_context(ctx, inputs, output):
-    x, weight, bias, scale, _prepared_weight = inputs
-    _, argmax, preactivation = output
-    ctx.save_for_backward(x, weight, argmax, preactivation)
-    ctx.scale = scale
-    ctx.has_bias = bias is not None
-
-
-def _forward_backward(ctx, grad_out, grad_argmax, grad_preactivation):
-    x, weight, argmax, preactivation = ctx.saved_tensors
-    grad_x, grad_weight, grad_bias = _ops.forward_backward(
-        grad_out, grad_preactivation, x, weight, argmax, preactivation, ctx.scale
-    )
-    return grad_x, grad_weight, (grad_bias if ctx.has_bias else None), None, None
-
-
-torch.library.register_autograd(
-    "fused_pool_gelu::forward_with_argmax",
-    _forward_backward,
-    setup_context=_forward_setup_context,
-)
-
+_lib = torch.library.Library("fused_pool_gelu", "IMPL")
+_below_autograd = _C._AutoDispatchBelowADInplaceOrView
 
 FORWARD_DOUBLE_BACKWARD_ERROR = (
     "fused_pool_gelu.forward_backward: double backward (gradients of gradients of forward) is not "
@@ -78,26 +31,241 @@ FORWARD_DOUBLE_BACKWARD_ERROR = (
 )
 
 
-def _forward_backward_backward(ctx, *grads):
-    raise RuntimeError(FORWARD_DOUBLE_BACKWARD_ERROR)
-
-
-torch.library.register_autograd(
-    "fused_pool_gelu::forward_backward",
-    _forward_backward_backward,
-    setup_context=lambda ctx, inputs, output: None,
-)
-
-
-def _model_backward_backward(ctx, *grads):
-    raise RuntimeError(
-        "fused_pool_gelu.model_backward: double backward (gradients of gradients of model_forward) "
-        "is not supported"
+def tangent_error(op: str, name: str) -> RuntimeError:
+    return RuntimeError(
+        f"fused_pool_gelu.{op}: {name} carries a forward-mode AD tangent; forward-mode AD "
+        "(torch.func.jvp, jacfwd, torch.autograd.forward_ad) is not supported, use reverse mode "
+        "(backward, torch.autograd.grad)"
     )
 
 
-torch.library.register_autograd(
-    "fused_pool_gelu::model_backward",
-    _model_backward_backward,
-    setup_context=lambda ctx, inputs, output: None,
+def _check_no_tangents(op: str, names, tensors) -> None:
+    # Two flag reads when no forward-mode AD is active, as on every training and inference call.
+    level = forward_ad._current_level
+    if level < 0 and not _C._are_functorch_transforms_active():
+        return
+    for name, t in zip(names, tensors):
+        if t is not None and torch._unpack_dual(t, max(level, 0))[1] is not None:
+            raise tangent_error(op, name)
+
+
+def _needs_grad(*tensors) -> bool:
+    return _C.is_grad_enabled() and _C._any_requires_grad(*tensors)
+
+
+class _Fold(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, bias, pool_kernel_size):
+        ctx.out_features = weight.shape[0]
+        ctx.pool_kernel_size = pool_kernel_size
+        ctx.has_bias = bias is not None
+        with _below_autograd():
+            return _ops.fold(weight, bias, pool_kernel_size)
+
+    @staticmethod
+    def backward(ctx, grad_pooled_weight, grad_pooled_bias):
+        grad_weight, grad_bias = _ops.fold_backward(
+            grad_pooled_weight, grad_pooled_bias, ctx.out_features, ctx.pool_kernel_size
+        )
+        return grad_weight, (grad_bias if ctx.has_bias else None), None
+
+
+def _fold_autograd(weight, bias, pool_kernel_size):
+    _check_no_tangents("fold", ("weight", "bias"), (weight, bias))
+    if _needs_grad(weight, bias):
+        return _Fold.apply(weight, bias, pool_kernel_size)
+    with _below_autograd():
+        return _ops.fold(weight, bias, pool_kernel_size)
+
+
+class _FoldBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size):
+        ctx.pool_kernel_size = pool_kernel_size
+        with _below_autograd():
+            return _ops.fold_backward(grad_pooled_weight, grad_pooled_bias, out_features,
+                                      pool_kernel_size)
+
+    @staticmethod
+    def backward(ctx, grad_grad_weight, grad_grad_bias):
+        ggw, ggb = _ops.fold(grad_grad_weight, grad_grad_bias, ctx.pool_kernel_size)
+        return ggw, ggb, None, None
+
+
+def _fold_backward_autograd(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size):
+    tensors = (grad_pooled_weight, grad_pooled_bias)
+    _check_no_tangents("fold_backward", ("grad_pooled_weight", "grad_pooled_bias"), tensors)
+    if _needs_grad(*tensors):
+        return _FoldBackward.apply(*tensors, out_features, pool_kernel_size)
+    with _below_autograd():
+        return _ops.fold_backward(*tensors, out_features, pool_kernel_size)
+
+
+class _ForwardWithArgmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, prepared_weight):
+        with _below_autograd():
+            out, argmax, preactivation = _ops.forward_with_argmax(
+                x, weight, bias, scale, prepared_weight
+            )
+        ctx.save_for_backward(x, weight, argmax, preactivation)
+        ctx.scale = scale
+        ctx.has_bias = bias is not None
+        return out, argmax, preactivation
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_argmax, grad_preactivation):
+        x, weight, argmax, preactivation = ctx.saved_tensors
+        grad_x, grad_weight, grad_bias = _ops.forward_backward(
+            grad_out, grad_preactivation, x, weight, argmax, preactivation, ctx.scale
+        )
+        return grad_x, grad_weight, (grad_bias if ctx.has_bias else None), None, None
+
+
+_FORWARD_TENSORS = ("x", "weight", "bias", "prepared_weight")
+
+
+def _forward_with_argmax_autograd(x, weight, bias, scale, prepared_weight=None):
+    _check_no_tangents("forward_with_argmax", _FORWARD_TENSORS, (x, weight, bias, prepared_weight))
+    if _needs_grad(x, weight, bias):
+        return _ForwardWithArgmax.apply(x, weight, bias, scale, prepared_weight)
+    with _below_autograd():
+        return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+
+
+def _forward_autograd(x, weight, bias, scale, prepared_weight=None):
+    _check_no_tangents("forward", _FORWARD_TENSORS, (x, weight, bias, prepared_weight))
+    if _needs_grad(x, weight, bias):
+        return _ForwardWithArgmax.apply(x, weight, bias, scale, prepared_weight)[0]
+    with _below_autograd():
+        return _ops.forward(x, weight, bias, scale, prepared_weight)
+
+
+class _NoDerivative(torch.autograd.Function):
+    """An op whose outputs carry gradients but have no derivative of their own (the backward ops):
+    a gradient of them raises `message`."""
+
+    @staticmethod
+    def forward(ctx, op, message, *args):
+        ctx.message = message
+        with _below_autograd():
+            return op(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
+_FORWARD_BACKWARD_TENSORS = ("grad_out", "grad_preactivation", "x", "weight", "argmax",
+                             "preactivation")
+
+
+def _forward_backward_autograd(grad_out, grad_preactivation, x, weight, argmax, preactivation,
+                               scale):
+    args = (grad_out, grad_preactivation, x, weight, argmax, preactivation)
+    _check_no_tangents("forward_backward", _FORWARD_BACKWARD_TENSORS, args)
+    if _needs_grad(grad_out, grad_preactivation, x, weight, preactivation):
+        return _NoDerivative.apply(_ops.forward_backward, FORWARD_DOUBLE_BACKWARD_ERROR, *args,
+                                   scale)
+    with _below_autograd():
+        return _ops.forward_backward(*args, scale)
+
+
+_MODEL_BACKWARD_TENSORS = ("grad_out", "x", "pooled_weight", "argmax", "preactivation")
+MODEL_DOUBLE_BACKWARD_ERROR = (
+    "fused_pool_gelu.model_backward: double backward (gradients of gradients of model_forward) is "
+    "not supported"
 )
+
+
+def _model_backward_autograd(grad_out, x, pooled_weight, argmax, preactivation, scale,
+                             out_features, pool_kernel_size):
+    args = (grad_out, x, pooled_weight, argmax, preactivation)
+    _check_no_tangents("model_backward", _MODEL_BACKWARD_TENSORS, args)
+    rest = (scale, out_features, pool_kernel_size)
+    if _needs_grad(grad_out, x, pooled_weight, preactivation):
+        return _NoDerivative.apply(_ops.model_backward, MODEL_DOUBLE_BACKWARD_ERROR, *args, *rest)
+    with _below_autograd():
+        return _ops.model_backward(*args, *rest)
+
+
+class _ModelForward(torch.autograd.Function):
+    """fold and forward_with_argmax as one node; its backward is model_backward (forward_backward
+    then fold_backward, the same sums in the same order as the separate ops' backward), or
+    forward_backward alone when only x needs a gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pool_kernel_size, scale):
+        with _below_autograd():
+            pooled_weight, pooled_bias = _ops.fold(weight, bias, pool_kernel_size)
+            out, argmax, preactivation = _ops.forward_with_argmax(
+                x, pooled_weight, pooled_bias, scale
+            )
+        ctx.save_for_backward(x, pooled_weight, argmax, preactivation)
+        ctx.out_features = weight.shape[0]
+        ctx.pool_kernel_size = pool_kernel_size
+        ctx.scale = scale
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, pooled_weight, argmax, preactivation = ctx.saved_tensors
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        needs_bias = needs_bias and ctx.has_bias
+        # No gradient for the preactivation output: the separate ops' autograd passes zeros there,
+        # which costs an allocation and a fill per step for nothing but the sign of a zero grad_x.
+        # With create_graph (grad mode on here) the ops go through their autograd kernels, which
+        # raise a clear error on a gradient of these gradients.
+        grad_weight = grad_bias = None
+        if needs_weight or needs_bias:
+            grad_x, grad_weight, grad_bias = _ops.model_backward(
+                grad_out, x, pooled_weight, argmax, preactivation, ctx.scale, ctx.out_features,
+                ctx.pool_kernel_size,
+            )
+        else:
+            grad_x = _ops.forward_backward(
+                grad_out, None, x, pooled_weight, argmax, preactivation, ctx.scale
+            )[0]
+        return (grad_x if needs_x else None, grad_weight if needs_weight else None,
+                grad_bias if needs_bias else None, None, None)
+
+
+def model_forward_autograd(x, weight, bias, pool_kernel_size, scale):
+    """model_forward's Autograd kernel (also called directly by ops.model_forward in eager mode:
+    the same work without the dispatcher's round trip into Python)."""
+    check_model_forward_inputs(x, weight)
+    _check_no_tangents("model_forward", ("x", "weight", "bias"), (x, weight, bias))
+    if _needs_grad(x, weight, bias):
+        return _ModelForward.apply(x, weight, bias, pool_kernel_size, scale)
+    with _below_autograd():
+        return _ops.model_forward(x, weight, bias, pool_kernel_size, scale)
+
+
+def _prepare_weight_autograd(weight):
+    # Not differentiable (a copy in another precision, for the forward's selection only): its
+    # output never carries a gradient function.
+    _check_no_tangents("prepare_weight", ("weight",), (weight,))
+    with _below_autograd():
+        return _ops.prepare_weight(weight)
+
+
+def _certified_candidate_counts_autograd(x, weight, bias, scale):
+    # Diagnostic integer counts: nothing to differentiate.
+    _check_no_tangents("_certified_candidate_counts", ("x", "weight", "bias"), (x, weight, bias))
+    with _below_autograd():
+        return _ops._certified_candidate_counts(x, weight, bias, scale)
+
+
+for _name, _kernel in (
+    ("fold", _fold_autograd),
+    ("fold_backward", _fold_backward_autograd),
+    ("forward_with_argmax", _forward_with_argmax_autograd),
+    ("forward", _forward_autograd),
+    ("forward_backward", _forward_backward_autograd),
+    ("model_backward", _model_backward_autograd),
+    ("model_forward", model_forward_autograd),
+    ("prepare_weight", _prepare_weight_autograd),
+    ("_certified_candidate_counts", _certified_candidate_counts_autograd),
+):
+    _lib.impl(_name, _kernel, "Autograd")

@@ -193,6 +193,7 @@ def check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argma
 def check_model_backward_inputs(grad_out, x, pooled_weight, argmax, preactivation, out_features,
                                 pool_kernel_size):
     op = "model_backward"
+    check_defined(op, "grad_out", grad_out)  # first, as for a call without any tensor
     check_forward_inputs(x, pooled_weight, None, op, "pooled_weight")
     _check_batch_vectors(op, x, argmax=argmax, preactivation=preactivation, grad_out=grad_out)
     check_unfolded_shape(op, "pooled_weight", pooled_weight, out_features, pool_kernel_size)

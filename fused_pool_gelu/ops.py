@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _func
+from . import _func, _prepared
 from ._checks import check_defined, check_int64
 
 __all__ = ["fold", "forward", "forward_with_argmax", "model_forward", "prepare_weight"]
@@ -57,7 +57,10 @@ def prepare_weight(weight: Tensor) -> Tensor:
     Not differentiable.
     """
     check_defined("prepare_weight", "weight", weight)  # as in fold
-    return _ops.prepare_weight(weight)
+    prepared = _ops.prepare_weight(weight)
+    if not torch.compiler.is_compiling():
+        _prepared.record(prepared, weight)
+    return prepared
 
 
 def forward(
@@ -76,8 +79,13 @@ def forward(
     torch.max semantics (a NaN in a row makes that row NaN). Differentiable in x, weight and bias.
     """
     if _func.transforms_active():
-        return _func.forward(x, weight, bias, scale, prepared_weight)
-    return _ops.forward(x, weight, bias, scale, prepared_weight)
+        out = _func.forward(x, weight, bias, scale, prepared_weight)
+    else:
+        out = _ops.forward(x, weight, bias, scale, prepared_weight)
+    # After the op, whose checks of the prepared weight's layout come first.
+    if prepared_weight is not None and not torch.compiler.is_compiling():
+        _prepared.check("forward", prepared_weight, weight)
+    return out
 
 
 def forward_with_argmax(
@@ -95,8 +103,12 @@ def forward_with_argmax(
     ``forward`` (the kernels are forward's).
     """
     if _func.transforms_active():
-        return _func.forward_with_argmax(x, weight, bias, scale, prepared_weight)
-    return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+        outputs = _func.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+    else:
+        outputs = _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+    if prepared_weight is not None and not torch.compiler.is_compiling():
+        _prepared.check("forward", prepared_weight, weight)
+    return outputs
 
 
 def model_forward(
@@ -104,9 +116,8 @@ def model_forward(
 ) -> Tensor:
     """The block on the unfolded Linear parameters: ``forward(x, *fold(weight, bias, k), scale)``.
 
-    Same values and gradients, bit for bit, as :func:`fold` then :func:`forward`, through one C++
-    autograd node (csrc/model_forward.cpp) instead of two Python ones: less host time per training
-    step. x's and the weight's ranks and widths are checked as ``model_forward``'s; the rest by the
+    Same values and gradients, bit for bit, as :func:`fold` then :func:`forward`, through one
+    autograd node instead of two: less host time per training step. x's and the weight's ranks and widths are checked as ``model_forward``'s; the rest by the
     op each argument goes to, whose name the error gives (``fold`` or ``forward``).
     """
     check_int64("model_forward", "pool_kernel_size", pool_kernel_size)

@@ -1,0 +1,168 @@
+// The LibTorch stable ABI as this library uses it (TORCH_TARGET_VERSION, set by setup.py): the
+// tensor type, dtypes, the ATen ops that the target version's stable headers lack (called through
+// the stable dispatcher, torch_call_dispatcher), and how tensor metadata prints in error messages
+// (as ATen prints it: "[2, 4, 32]", "Float", "cuda:0").
+//
+// Nothing here, nor anywhere in csrc/, includes ATen, c10 or torch/library.h: the compiled library
+// calls libtorch only through its stable C shims, so one binary loads under every torch from the
+// target version on.
+#pragma once
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/stableivalue_conversions.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fused_pool_gelu {
+
+using Tensor = torch::stable::Tensor;
+using ScalarType = torch::headeronly::ScalarType;
+using Device = torch::stable::Device;
+using DeviceType = torch::headeronly::DeviceType;
+using Half = torch::headeronly::Half;
+using BFloat16 = torch::headeronly::BFloat16;
+
+constexpr ScalarType kFloat = ScalarType::Float;
+constexpr ScalarType kDouble = ScalarType::Double;
+constexpr ScalarType kHalf = ScalarType::Half;
+constexpr ScalarType kBFloat16 = ScalarType::BFloat16;
+constexpr ScalarType kLong = ScalarType::Long;
+constexpr ScalarType kInt = ScalarType::Int;
+constexpr ScalarType kByte = ScalarType::Byte;
+
+// The error of every check: std::runtime_error (Python's RuntimeError) whose message is exactly the
+// arguments streamed in order. Not STD_TORCH_CHECK, which puts the C++ function, file and line
+// before the message; ours start with "fused_pool_gelu.<op>: ".
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream message;
+  (message << ... << args);
+  throw std::runtime_error(message.str());
+}
+
+#define FPG_CHECK(cond, ...)                        \
+  do {                                              \
+    if (!(cond)) ::fused_pool_gelu::fail(__VA_ARGS__); \
+  } while (0)
+
+// Metadata as ATen prints it.
+struct SizesText {
+  torch::headeronly::IntHeaderOnlyArrayRef sizes;
+};
+inline std::ostream& operator<<(std::ostream& out, const SizesText& s) {
+  out << "[";
+  for (size_t i = 0; i < s.sizes.size(); ++i) out << (i ? ", " : "") << s.sizes[i];
+  return out << "]";
+}
+inline SizesText sizes_text(const Tensor& t) { return SizesText{t.sizes()}; }
+
+inline const char* device_type_text(DeviceType type) {
+  switch (type) {
+    case DeviceType::CPU:
+      return "cpu";
+    case DeviceType::CUDA:
+      return "cuda";
+    case DeviceType::Meta:
+      return "meta";
+    default:
+      return "an unsupported device type";
+  }
+}
+
+struct DeviceText {
+  DeviceType type;
+  int index;  // -1: none
+};
+inline std::ostream& operator<<(std::ostream& out, const DeviceText& d) {
+  out << device_type_text(d.type);
+  if (d.index >= 0) out << ":" << d.index;
+  return out;
+}
+inline DeviceText device_text(const Tensor& t) {
+  const Device device = t.device();
+  return DeviceText{device.type(), static_cast<int>(device.index())};
+}
+
+inline bool is_floating_point(ScalarType s) {
+  return s == kFloat || s == kDouble || s == kHalf || s == kBFloat16;
+}
+
+// An ATen op through the stable dispatcher: `stack` holds the arguments, then the returns.
+template <size_t N>
+void call_aten(const char* name, const char* overload, std::array<StableIValue, N>& stack) {
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+}
+
+namespace aten {
+
+using torch::stable::detail::from;
+using torch::stable::detail::to;
+
+// a @ b.
+inline Tensor mm(const Tensor& a, const Tensor& b) {
+  std::array<StableIValue, 2> stack{from(a), from(b)};
+  call_aten("aten::mm", "", stack);
+  return to<Tensor>(stack[0]);
+}
+
+// a @ b with the result in out_dtype (float16 / bfloat16 operands, float32 accumulation and result).
+inline Tensor mm(const Tensor& a, const Tensor& b, ScalarType out_dtype) {
+  std::array<StableIValue, 3> stack{from(a), from(b), from(out_dtype)};
+  call_aten("aten::mm", "dtype", stack);
+  return to<Tensor>(stack[0]);
+}
+
+// Batched a @ b with the result in out_dtype.
+inline Tensor bmm(const Tensor& a, const Tensor& b, ScalarType out_dtype) {
+  std::array<StableIValue, 3> stack{from(a), from(b), from(out_dtype)};
+  call_aten("aten::bmm", "dtype", stack);
+  return to<Tensor>(stack[0]);
+}
+
+inline Tensor as_strided(const Tensor& t, std::vector<int64_t> sizes,
+                         std::vector<int64_t> strides) {
+  std::array<StableIValue, 4> stack{from(t), from(sizes), from(strides),
+                                    from(std::optional<int64_t>())};
+  call_aten("aten::as_strided", "", stack);
+  return to<Tensor>(stack[0]);
+}
+
+// A new tensor of `sizes` on t's device, in `dtype` (t's by default).
+inline Tensor empty_like_device(const Tensor& t, std::vector<int64_t> sizes,
+                                std::optional<ScalarType> dtype = std::nullopt) {
+  return torch::stable::new_empty(t, sizes, dtype ? dtype : t.scalar_type());
+}
+
+inline Tensor zeros_like_device(const Tensor& t, std::vector<int64_t> sizes,
+                                std::optional<ScalarType> dtype = std::nullopt) {
+  return torch::stable::new_zeros(t, sizes, dtype ? dtype : t.scalar_type());
+}
+
+// t in `dtype` (t itself where it already is).
+inline Tensor to_dtype(const Tensor& t, ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
+}
+
+inline Tensor contiguous(const Tensor& t) {
+  return t.is_contiguous() ? t : torch::stable::contiguous(t);
+}
+
+inline Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length) {
+  Tensor self = t;  // the stable narrow takes a non-const reference
+  return torch::stable::narrow(self, dim, start, length);
+}
+
+}  // namespace aten
+}  // namespace fused_pool_gelu
