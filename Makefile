@@ -1,9 +1,11 @@
-# The two commands of the README, each setting itself up on a fresh machine:
-#   make run    venv + torch, build and install the wheel, run `python -m fused_pool_gelu`
-#   make test   venv + torch, build the sdist, the wheel from it, install it, run pytest against the
-#               INSTALLED package
+# The commands of the README, each setting itself up on a fresh machine:
+#   make run      venv + torch, build and install the wheel, run `python -m fused_pool_gelu`
+#   make test     venv + torch, build the sdist, the wheel from it, install it, run pytest against
+#                 the INSTALLED package
+#   make wheels   the wheels users install: dist/cpu/*.whl and dist/cu130/*.whl (manylinux, abi3,
+#                 the LibTorch stable ABI: one wheel for every torch from setup.py's TORCH_TARGET)
 # Knobs: PYTHON, VENV, TORCH_SPEC, CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS (see setup.py),
-# PYTEST_ARGS (added to make test's pytest command).
+# PYTEST_ARGS (added to make test's pytest command), WHEEL_ARCH_LIST (the CUDA wheel's archs).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,17 +18,25 @@ MAX_JOBS ?= 2
 PYTEST_ARGS ?=
 
 BIN := $(abspath $(VENV))/bin
-# Named after the torch spec and the list below (v2: `build` added), so that a venv made for another
+# Named after the torch spec and the list below (v3: `auditwheel` added), so that a venv made for another
 # spec or an older list is brought up to date.
-STAMP := $(VENV)/.deps-v2-$(subst =,-,$(TORCH_SPEC))
+STAMP := $(VENV)/.deps-v3-$(subst =,-,$(TORCH_SPEC))
+# The CUDA wheel's archs: sm_80 code for compute capability 8.x, sm_90a for Hopper (with the wgmma
+# and certified kernels), and compute_90 PTX (with its sm_90 code) that later GPUs compile at load
+# time (without the sm_90a-only kernels; setup.py compiles those for 9.0a alone).
+WHEEL_ARCH_LIST ?= 8.0;9.0a;9.0+PTX
+# torch's and CUDA's own libraries: the installed torch provides them at run time, so the wheels
+# neither carry nor pin them (auditwheel would otherwise copy them in).
+AUDITWHEEL_EXCLUDES := --exclude 'libtorch*.so' --exclude 'libc10*.so' --exclude 'libcudart.so*'
 export CUDA_HOME MAX_JOBS
 
-.PHONY: run test wheel install clean
+.PHONY: run test wheel install clean wheels wheel-cpu wheel-cuda
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=23" "setuptools>=77" wheel
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy ninja pytest hypothesis expecttest build
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy ninja pytest hypothesis expecttest build \
+		auditwheel
 	touch $@
 
 # The wheel is built from the source distribution, as `pip install <sdist>` would build it: a file the
@@ -39,6 +49,28 @@ wheel: $(STAMP)
 
 install: wheel
 	$(BIN)/python -m pip install -q --force-reinstall --no-deps dist/fused_pool_gelu-*.whl
+
+# One wheel per flavour from one sdist, repaired into a manylinux wheel by auditwheel.
+sdist: $(STAMP)
+	rm -rf build *.egg-info dist/fused_pool_gelu-*.tar.gz
+	$(BIN)/python -m build --sdist --no-isolation --outdir dist .
+
+wheels: wheel-cpu wheel-cuda
+
+wheel-cpu: sdist
+	rm -rf build dist/cpu dist/raw-cpu
+	FUSED_POOL_GELU_CUDA=0 $(BIN)/python -m pip wheel -q --no-build-isolation --no-deps \
+		-w dist/raw-cpu dist/fused_pool_gelu-*.tar.gz
+	$(BIN)/python -m auditwheel repair -q $(AUDITWHEEL_EXCLUDES) -w dist/cpu dist/raw-cpu/*.whl
+	rm -rf dist/raw-cpu
+
+wheel-cuda: sdist
+	rm -rf build dist/cu130 dist/raw-cu130
+	FUSED_POOL_GELU_CUDA=1 TORCH_CUDA_ARCH_LIST="$(WHEEL_ARCH_LIST)" \
+		$(BIN)/python -m pip wheel -q --no-build-isolation --no-deps -w dist/raw-cu130 \
+		dist/fused_pool_gelu-*.tar.gz
+	$(BIN)/python -m auditwheel repair -q $(AUDITWHEEL_EXCLUDES) -w dist/cu130 dist/raw-cu130/*.whl
+	rm -rf dist/raw-cu130
 
 # Run from tests/ so that `import fused_pool_gelu` finds the installed wheel, not the source tree.
 test: install

@@ -22,6 +22,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace fused_pool_gelu {
@@ -94,6 +95,11 @@ inline DeviceText device_text(const Tensor& t) {
   return DeviceText{device.type(), static_cast<int>(device.index())};
 }
 
+// The type a kernel accumulates T in: float for the half types, T otherwise (ATen's opmath_type).
+template <typename T>
+using opmath_t =
+    std::conditional_t<std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>, float, T>;
+
 inline bool is_floating_point(ScalarType s) {
   return s == kFloat || s == kDouble || s == kHalf || s == kBFloat16;
 }
@@ -136,6 +142,13 @@ inline Tensor as_strided(const Tensor& t, std::vector<int64_t> sizes,
   std::array<StableIValue, 4> stack{from(t), from(sizes), from(strides),
                                     from(std::optional<int64_t>())};
   call_aten("aten::as_strided", "", stack);
+  return to<Tensor>(stack[0]);
+}
+
+// t's bytes read as `dtype` (aten::view.dtype).
+inline Tensor view_as_dtype(const Tensor& t, ScalarType dtype) {
+  std::array<StableIValue, 2> stack{from(t), from(dtype)};
+  call_aten("aten::view", "dtype", stack);
   return to<Tensor>(stack[0]);
 }
 

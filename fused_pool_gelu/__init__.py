@@ -52,9 +52,11 @@ def build_info() -> dict:
     cuda_kernels (CUDA kernels registered);
     cuda_available and device (the GPU that would run them, if any).
     """
-    info = {"version": __version__}
-    info.update(_C.compiled_build_info())
-    info["torch_runtime"] = torch.__version__
+    compiled = _C.compiled_build_info()
+    # The torch versions side by side: compiled with, the stable ABI's target, imported now.
+    info = {"version": __version__, "torch": compiled.pop("torch"),
+            "torch_target": compiled.pop("torch_target"), "torch_runtime": torch.__version__}
+    info.update(compiled)
     info["cuda_kernels"] = torch._C._dispatch_has_kernel_for_dispatch_key(
         "fused_pool_gelu::forward_with_argmax", "CUDA"
     )

@@ -13,11 +13,6 @@ namespace fused_pool_gelu {
 constexpr std::initializer_list<ScalarType> kCpuDtypes = {kFloat, kDouble, kHalf, kBFloat16};
 constexpr const char* kCpuDtypesText = "float32, float64, float16 or bfloat16";
 
-// The type a kernel accumulates T in: float for the half types, T otherwise.
-template <typename T>
-using opmath_t =
-    std::conditional_t<std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>, float, T>;
-
 // body(T{}) with T the C++ type of `dtype`, one of float and double (with_halves: also Half and
 // BFloat16). The callers have checked the dtype (check_dtype_in): another one is an internal error.
 template <bool with_halves = false, typename Body>

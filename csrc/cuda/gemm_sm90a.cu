@@ -41,7 +41,6 @@
 // tf32x3_splitk_kernel). While a tile's wgmmas run, the consumer waits for the next stage and
 // loads its fragments into the second register set.
 
-#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -232,7 +231,7 @@ void configure_gemm_sm90a_kernels(int device, int max_smem_optin, DeviceLimits& 
   // The driver may have loaded other code for this device (a PTX entry of the arch list, JIT
   // compiled): the wgmma kernels run only where their sm_90a binary did.
   cudaFuncAttributes attributes{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
+  STD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
   if (attributes.binaryVersion != 90) return;
   set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
   configure_certified_pass1_kernels();
@@ -249,7 +248,7 @@ void launch_tf32x3_gemm_sm90a(const TcPlan& plan, const GemmOperands& ops, float
   const fg::GemmParams p =
       gemm_params(ops, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
   fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
 }
 }  // namespace cuda
 }  // namespace fused_pool_gelu
