@@ -16,6 +16,7 @@
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -137,13 +138,22 @@ inline Tensor bmm(const Tensor& a, const Tensor& b, ScalarType out_dtype) {
   return to<Tensor>(stack[0]);
 }
 
+// A view of t's storage (from t's offset) with `sizes` and `strides`: the C shim's own call, as
+// for the allocations below.
 inline Tensor as_strided(const Tensor& t, std::vector<int64_t> sizes,
                          std::vector<int64_t> strides) {
-  std::array<StableIValue, 4> stack{from(t), from(sizes), from(strides),
-                                    from(std::optional<int64_t>())};
-  call_aten("aten::as_strided", "", stack);
-  return to<Tensor>(stack[0]);
+  AtenTensorHandle handle = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      aoti_torch_as_strided(t.get(), sizes.data(), strides.data(), &handle));
+  return Tensor(handle);
 }
+
+// The transpose of a 2-D tensor (a view).
+inline Tensor transposed(const Tensor& t) {
+  return as_strided(t, {t.size(1), t.size(0)}, {t.stride(1), t.stride(0)});
+}
+
+inline void zero_(const Tensor& t) { STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_zero_(t.get())); }
 
 // t's bytes read as `dtype` (aten::view.dtype).
 inline Tensor view_as_dtype(const Tensor& t, ScalarType dtype) {
@@ -152,15 +162,37 @@ inline Tensor view_as_dtype(const Tensor& t, ScalarType dtype) {
   return to<Tensor>(stack[0]);
 }
 
-// A new tensor of `sizes` on t's device, in `dtype` (t's by default).
+// A new contiguous tensor of `sizes` on t's device, in `dtype` (t's by default). Through the C
+// shim's own allocation call: the dispatcher's aten::empty costs an operator lookup and boxing on
+// every call, host time that counts at small batch.
 inline Tensor empty_like_device(const Tensor& t, std::vector<int64_t> sizes,
                                 std::optional<ScalarType> dtype = std::nullopt) {
-  return torch::stable::new_empty(t, sizes, dtype ? dtype : t.scalar_type());
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= std::max<int64_t>(sizes[i], 1);
+  }
+  int32_t device_type = 0, device_index = 0, shim_dtype = 0;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &device_type));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &device_index));
+  if (dtype) {
+    shim_dtype = to<int32_t>(from(*dtype));
+  } else {
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(t.get(), &shim_dtype));
+  }
+  AtenTensorHandle handle = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
+      static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(), shim_dtype, device_type,
+      device_index, &handle));
+  return Tensor(handle);
 }
 
 inline Tensor zeros_like_device(const Tensor& t, std::vector<int64_t> sizes,
                                 std::optional<ScalarType> dtype = std::nullopt) {
-  return torch::stable::new_zeros(t, sizes, dtype ? dtype : t.scalar_type());
+  Tensor zeros = empty_like_device(t, std::move(sizes), dtype);
+  zero_(zeros);
+  return zeros;
 }
 
 // t in `dtype` (t itself where it already is).

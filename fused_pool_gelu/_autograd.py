@@ -5,7 +5,9 @@ op's Autograd-key kernel is registered here. Each one first refuses a forward-mo
 tensor argument (the ops have no forward-mode formula: a tangent reaching a kernel would be
 dropped, the result's tangent silently zero; torch.func's jvp shows its tangents at this key and
 not below it), then either records one autograd node (grad mode on and an input requiring grad) or
-calls the device kernel below autograd.
+calls the device kernel below autograd. The public wrappers (ops.py) call the kernels of fold,
+forward, forward_with_argmax and model_forward directly when eager: the same work without the
+dispatcher's round trip into Python, host time that counts at small batch.
 
 fold and fold_backward are adjoint linear maps, so each is the other's derivative (double backward
 of the fold comes for free). forward_with_argmax's derivative is the arg-max backward (no dense
@@ -53,6 +55,16 @@ def _needs_grad(*tensors) -> bool:
     return _C.is_grad_enabled() and _C._any_requires_grad(*tensors)
 
 
+def _call_in_backward(op, *args):
+    # With create_graph (grad mode on in a backward) through the op's autograd kernel, which
+    # records the gradient's own derivative or raises a clear error; otherwise straight to the
+    # device kernel.
+    if _C.is_grad_enabled():
+        return op(*args)
+    with _below_autograd():
+        return op(*args)
+
+
 class _Fold(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, bias, pool_kernel_size):
@@ -64,13 +76,14 @@ class _Fold(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_pooled_weight, grad_pooled_bias):
-        grad_weight, grad_bias = _ops.fold_backward(
-            grad_pooled_weight, grad_pooled_bias, ctx.out_features, ctx.pool_kernel_size
+        grad_weight, grad_bias = _call_in_backward(
+            _ops.fold_backward, grad_pooled_weight, grad_pooled_bias, ctx.out_features,
+            ctx.pool_kernel_size,
         )
         return grad_weight, (grad_bias if ctx.has_bias else None), None
 
 
-def _fold_autograd(weight, bias, pool_kernel_size):
+def fold_autograd(weight, bias, pool_kernel_size):
     _check_no_tangents("fold", ("weight", "bias"), (weight, bias))
     if _needs_grad(weight, bias):
         return _Fold.apply(weight, bias, pool_kernel_size)
@@ -88,7 +101,8 @@ class _FoldBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_grad_weight, grad_grad_bias):
-        ggw, ggb = _ops.fold(grad_grad_weight, grad_grad_bias, ctx.pool_kernel_size)
+        ggw, ggb = _call_in_backward(_ops.fold, grad_grad_weight, grad_grad_bias,
+                                     ctx.pool_kernel_size)
         return ggw, ggb, None, None
 
 
@@ -116,8 +130,9 @@ class _ForwardWithArgmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_argmax, grad_preactivation):
         x, weight, argmax, preactivation = ctx.saved_tensors
-        grad_x, grad_weight, grad_bias = _ops.forward_backward(
-            grad_out, grad_preactivation, x, weight, argmax, preactivation, ctx.scale
+        grad_x, grad_weight, grad_bias = _call_in_backward(
+            _ops.forward_backward, grad_out, grad_preactivation, x, weight, argmax, preactivation,
+            ctx.scale,
         )
         return grad_x, grad_weight, (grad_bias if ctx.has_bias else None), None, None
 
@@ -125,7 +140,7 @@ class _ForwardWithArgmax(torch.autograd.Function):
 _FORWARD_TENSORS = ("x", "weight", "bias", "prepared_weight")
 
 
-def _forward_with_argmax_autograd(x, weight, bias, scale, prepared_weight=None):
+def forward_with_argmax_autograd(x, weight, bias, scale, prepared_weight=None):
     _check_no_tangents("forward_with_argmax", _FORWARD_TENSORS, (x, weight, bias, prepared_weight))
     if _needs_grad(x, weight, bias):
         return _ForwardWithArgmax.apply(x, weight, bias, scale, prepared_weight)
@@ -133,7 +148,7 @@ def _forward_with_argmax_autograd(x, weight, bias, scale, prepared_weight=None):
         return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
 
 
-def _forward_autograd(x, weight, bias, scale, prepared_weight=None):
+def forward_autograd(x, weight, bias, scale, prepared_weight=None):
     _check_no_tangents("forward", _FORWARD_TENSORS, (x, weight, bias, prepared_weight))
     if _needs_grad(x, weight, bias):
         return _ForwardWithArgmax.apply(x, weight, bias, scale, prepared_weight)[0]
@@ -215,25 +230,22 @@ class _ModelForward(torch.autograd.Function):
         needs_bias = needs_bias and ctx.has_bias
         # No gradient for the preactivation output: the separate ops' autograd passes zeros there,
         # which costs an allocation and a fill per step for nothing but the sign of a zero grad_x.
-        # With create_graph (grad mode on here) the ops go through their autograd kernels, which
-        # raise a clear error on a gradient of these gradients.
         grad_weight = grad_bias = None
         if needs_weight or needs_bias:
-            grad_x, grad_weight, grad_bias = _ops.model_backward(
-                grad_out, x, pooled_weight, argmax, preactivation, ctx.scale, ctx.out_features,
-                ctx.pool_kernel_size,
+            grad_x, grad_weight, grad_bias = _call_in_backward(
+                _ops.model_backward, grad_out, x, pooled_weight, argmax, preactivation, ctx.scale,
+                ctx.out_features, ctx.pool_kernel_size,
             )
         else:
-            grad_x = _ops.forward_backward(
-                grad_out, None, x, pooled_weight, argmax, preactivation, ctx.scale
+            grad_x = _call_in_backward(
+                _ops.forward_backward, grad_out, None, x, pooled_weight, argmax, preactivation,
+                ctx.scale,
             )[0]
         return (grad_x if needs_x else None, grad_weight if needs_weight else None,
                 grad_bias if needs_bias else None, None, None)
 
 
 def model_forward_autograd(x, weight, bias, pool_kernel_size, scale):
-    """model_forward's Autograd kernel (also called directly by ops.model_forward in eager mode:
-    the same work without the dispatcher's round trip into Python)."""
     check_model_forward_inputs(x, weight)
     _check_no_tangents("model_forward", ("x", "weight", "bias"), (x, weight, bias))
     if _needs_grad(x, weight, bias):
@@ -258,10 +270,10 @@ def _certified_candidate_counts_autograd(x, weight, bias, scale):
 
 
 for _name, _kernel in (
-    ("fold", _fold_autograd),
+    ("fold", fold_autograd),
     ("fold_backward", _fold_backward_autograd),
-    ("forward_with_argmax", _forward_with_argmax_autograd),
-    ("forward", _forward_autograd),
+    ("forward_with_argmax", forward_with_argmax_autograd),
+    ("forward", forward_autograd),
     ("forward_backward", _forward_backward_autograd),
     ("model_backward", _model_backward_autograd),
     ("model_forward", model_forward_autograd),

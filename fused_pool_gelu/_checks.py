@@ -127,18 +127,17 @@ def check_fold_backward_inputs(grad_pooled_weight, grad_pooled_bias, out_feature
 
 def check_x_and_weight(op, x, weight_name, weight, layout):
     # Ranks and K, the weight's rows named by `layout`.
+    # Messages made only on failure: model_forward's autograd kernel runs this on every training
+    # step.
     check_defined(op, "x", x)
     check_defined(op, weight_name, weight)
-    check(x.dim() == 2, f"{op}: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
-    check(
-        weight.dim() == 2,
-        f"{op}: {weight_name} must be 2-D {layout}, got shape {list(weight.shape)}",
-    )
-    check(
-        weight.shape[1] == x.shape[1],
-        f"{op}: {weight_name} must be {layout} with in_features = x.size(1) = {x.shape[1]}, got "
-        f"shape {list(weight.shape)}",
-    )
+    if x.dim() != 2:
+        check(False, f"{op}: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
+    if weight.dim() != 2:
+        check(False, f"{op}: {weight_name} must be 2-D {layout}, got shape {list(weight.shape)}")
+    if weight.shape[1] != x.shape[1]:
+        check(False, f"{op}: {weight_name} must be {layout} with in_features = x.size(1) = "
+              f"{x.shape[1]}, got shape {list(weight.shape)}")
 
 
 def check_forward_inputs(x, weight, bias, op="forward", weight_name="weight"):

@@ -13,12 +13,20 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _func, _prepared
+from . import _autograd, _func, _prepared
 from ._checks import check_defined, check_int64
 
 __all__ = ["fold", "forward", "forward_with_argmax", "model_forward", "prepare_weight"]
 
 _ops = torch.ops.fused_pool_gelu
+
+
+def _eager() -> bool:
+    # Eager calls go to the ops' autograd kernels (_autograd.py) directly, skipping the
+    # dispatcher's round trip into Python; torch.compile and torch.jit.trace must see the ops, and
+    # autocast's kernels (_autocast.py) come before the autograd kernels.
+    return (not torch._C._is_any_autocast_enabled() and not torch.compiler.is_compiling()
+            and torch._C._get_tracing_state() is None)
 
 
 def fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int) -> Tuple[Tensor, Tensor]:
@@ -32,6 +40,8 @@ def fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int) -> Tuple
     check_int64("fold", "pool_kernel_size", pool_kernel_size)
     if _func.transforms_active():
         return _func.fold(weight, bias, pool_kernel_size)
+    if _eager():
+        return _autograd.fold_autograd(weight, bias, pool_kernel_size)
     return _ops.fold(weight, bias, pool_kernel_size)
 
 
@@ -80,6 +90,8 @@ def forward(
     """
     if _func.transforms_active():
         out = _func.forward(x, weight, bias, scale, prepared_weight)
+    elif _eager():
+        out = _autograd.forward_autograd(x, weight, bias, scale, prepared_weight)
     else:
         out = _ops.forward(x, weight, bias, scale, prepared_weight)
     # After the op, whose checks of the prepared weight's layout come first.
@@ -104,6 +116,8 @@ def forward_with_argmax(
     """
     if _func.transforms_active():
         outputs = _func.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+    elif _eager():
+        outputs = _autograd.forward_with_argmax_autograd(x, weight, bias, scale, prepared_weight)
     else:
         outputs = _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
     if prepared_weight is not None and not torch.compiler.is_compiling():
@@ -123,4 +137,6 @@ def model_forward(
     check_int64("model_forward", "pool_kernel_size", pool_kernel_size)
     if _func.transforms_active():
         return _func.model_forward(x, weight, bias, pool_kernel_size, scale)
+    if _eager():
+        return _autograd.model_forward_autograd(x, weight, bias, pool_kernel_size, scale)
     return _ops.model_forward(x, weight, bias, pool_kernel_size, scale)

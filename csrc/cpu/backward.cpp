@@ -67,7 +67,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_backward(
   const Tensor weight_c = aten::contiguous(weight);
   Tensor grad_x = empty_with_huge_pages(x, {batch, in_features});
   Tensor grad_weight = empty_with_huge_pages(x, {pooled, in_features});
-  torch::stable::zero_(grad_weight);
+  aten::zero_(grad_weight);
   Tensor grad_bias = aten::zeros_like_device(x, {pooled});
   if (batch == 0) return {grad_x, grad_weight, grad_bias};
 

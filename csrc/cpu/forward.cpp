@@ -124,7 +124,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_with_argmax(
   // BLAS sees contiguous operands whatever the caller's layout (stride-0 or overlapping rows): a
   // view and its contiguous copy then give the same bits. Given the view itself, aten::mm may take
   // another kernel (on an AMD EPYC host it does, and the rows' sums round differently).
-  const Tensor weight_t = torch::stable::transpose(aten::contiguous(weight), 0, 1);
+  const Tensor weight_t = aten::transposed(aten::contiguous(weight));
   dispatch_cpu_floating(dtype, "forward", [&](auto type) {
     using scalar_t = decltype(type);
     const scalar_t s = static_cast<scalar_t>(scale);

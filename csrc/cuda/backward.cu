@@ -659,8 +659,8 @@ PooledGradients pooled_gradients(const std::optional<Tensor>& grad_out,
                          aten::empty_like_device(weight, {pooled, in_features}),
                          aten::empty_like_device(weight, {pooled}), std::nullopt};
   if (batch == 0) {
-    torch::stable::zero_(result.grad_weight);
-    torch::stable::zero_(result.grad_bias);
+    aten::zero_(result.grad_weight);
+    aten::zero_(result.grad_bias);
     return result;
   }
   Tensor& grad_x = result.grad_x;

@@ -99,7 +99,7 @@ Operand as_kernel_operand(const Tensor& t, int64_t k_padded) {
   torch::stable::copy_(columns, t);
   if (k_padded > k) {
     Tensor padding = aten::narrow(buffer, 1, k, k_padded - k);
-    torch::stable::zero_(padding);
+    aten::zero_(padding);
   }
   return Operand{buffer, buffer.const_data_ptr<float>(), k_padded};
 }
@@ -212,7 +212,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_with_argmax(
       const Tensor x_rows = rows == batch ? x : aten::narrow(x, 0, row0, rows);
       splits = half_gemm_splits(limits, problem, rows);
       if (splits == 1) {
-        workspace = aten::mm(x_rows, torch::stable::transpose(weight, 0, 1), kFloat);
+        workspace = aten::mm(x_rows, aten::transposed(weight), kFloat);
       } else {
         const int64_t slice = k / splits;
         workspace = aten::bmm(
