@@ -9,6 +9,11 @@
 // or, when only x needs a gradient, forward_backward alone. Same sums in the same order, so the
 // same bits as the separate ops.
 //
+// A caller that holds fold(weight, bias, k) (ModelNew's cache, unchanged parameters) passes it as
+// pooled_weight and pooled_bias, with its prepared copy if it has one: the forward then skips the
+// fold, and the backward is the same (fold_backward needs none of fold's values), so gradient
+// accumulation and evaluation with grad enabled fold once per parameter update.
+//
 // Inputs are validated by the ops it calls, so errors name them (fold: for weight, bias and
 // pool_kernel_size; forward: for x), as they do when ModelNew calls the ops one by one; x's width
 // against the unfolded weight first (check_model_forward_inputs), which forward would report
@@ -30,13 +35,35 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// forward_with_argmax on the given fold, or on a new one.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> folded_forward_with_argmax(
+    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    int64_t pool_kernel_size, double scale, const c10::optional<at::Tensor>& pooled_weight,
+    const c10::optional<at::Tensor>& pooled_bias,
+    const c10::optional<at::Tensor>& prepared_weight) {
+  check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
+                             prepared_weight);
+  at::Tensor pooled_w, pooled_b;
+  if (pooled_weight.has_value()) {
+    pooled_w = *pooled_weight;
+    pooled_b = *pooled_bias;
+  } else {
+    std::tie(pooled_w, pooled_b) = call_fold(weight, bias, pool_kernel_size);
+  }
+  auto [out, argmax, preactivation] =
+      call_forward_with_argmax(x, pooled_w, pooled_b, scale, prepared_weight);
+  return {out, argmax, preactivation, pooled_w};
+}
+
 // Below autograd (inference mode, or called from a kernel that already handles autograd).
 at::Tensor model_forward_kernel(const at::Tensor& x, const at::Tensor& weight,
                                 const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
-                                double scale) {
+                                double scale, const c10::optional<at::Tensor>& pooled_weight,
+                                const c10::optional<at::Tensor>& pooled_bias,
+                                const c10::optional<at::Tensor>& prepared_weight) {
   check_model_forward_inputs(x, weight);
-  const auto [pooled_weight, pooled_bias] = call_fold(weight, bias, pool_kernel_size);
-  return std::get<0>(call_forward_with_argmax(x, pooled_weight, pooled_bias, scale));
+  return std::get<0>(folded_forward_with_argmax(x, weight, bias, pool_kernel_size, scale,
+                                                pooled_weight, pooled_bias, prepared_weight));
 }
 
 // model_backward on any device without a kernel of its own (the CPU): the two ops it stands for.
@@ -56,13 +83,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> model_backward_composite(
 struct ModelForward : public torch::autograd::Function<ModelForward> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
-                            double scale) {
+                            double scale, const c10::optional<at::Tensor>& given_pooled_weight,
+                            const c10::optional<at::Tensor>& given_pooled_bias,
+                            const c10::optional<at::Tensor>& prepared_weight) {
     // Straight to the device kernels: through the autograd keys, fold and forward_with_argmax
     // would each enter their Python autograd formula even with grad mode off.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const auto [pooled_weight, pooled_bias] = call_fold(weight, bias, pool_kernel_size);
-    auto [out, argmax, preactivation] =
-        call_forward_with_argmax(x, pooled_weight, pooled_bias, scale);
+    auto [out, argmax, preactivation, pooled_weight] =
+        folded_forward_with_argmax(x, weight, bias, pool_kernel_size, scale, given_pooled_weight,
+                                   given_pooled_bias, prepared_weight);
     ctx->save_for_backward({x, pooled_weight, argmax, preactivation});
     ctx->saved_data["out_features"] = weight.size(0);
     ctx->saved_data["pool_kernel_size"] = pool_kernel_size;
@@ -71,7 +100,9 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
     return out;
   }
 
-  // Gradient edges are numbered over the tensor inputs: x, weight, then bias when given.
+  // One gradient per forward argument, in order (undefined for the non-tensor ones, for an
+  // absent bias and for the given fold, which is not differentiated: the gradients reach weight
+  // and bias through fold_backward).
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
@@ -102,19 +133,23 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
                                                  argmax, preactivation, scale));
     }
     return {needs_x ? grad_x : at::Tensor(), needs_weight ? grad_weight : at::Tensor(),
-            needs_bias ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor()};
+            needs_bias ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const c10::optional<at::Tensor>& bias, int64_t pool_kernel_size,
-                                  double scale) {
+                                  double scale, const c10::optional<at::Tensor>& pooled_weight,
+                                  const c10::optional<at::Tensor>& pooled_bias,
+                                  const c10::optional<at::Tensor>& prepared_weight) {
   check_model_forward_inputs(x, weight);
   // Tangents are visible here under torch.func's jvp, not in the kernels (registration.cpp).
   check_no_tangent("model_forward", "x", x);
   check_no_tangent("model_forward", "weight", weight);
   if (bias.has_value()) check_no_tangent("model_forward", "bias", *bias);
-  return ModelForward::apply(x, weight, bias, pool_kernel_size, scale);
+  return ModelForward::apply(x, weight, bias, pool_kernel_size, scale, pooled_weight, pooled_bias,
+                             prepared_weight);
 }
 
 }  // namespace

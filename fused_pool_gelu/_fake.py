@@ -63,7 +63,8 @@ def _prepare_weight_fake(weight):
 
 
 @torch.library.register_fake("fused_pool_gelu::model_forward")
-def _model_forward_fake(x, weight, bias, pool_kernel_size, scale):
+def _model_forward_fake(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
+                        pooled_bias=None, prepared_weight=None):
     check_model_forward_inputs(x, weight)
     pooled_weight, pooled_bias = _fold_fake(weight, bias, pool_kernel_size)
     return _forward_fake(x, pooled_weight, pooled_bias, scale)
