@@ -619,23 +619,50 @@ class Context:
     """Harness state shared by all impls of one run: shape, device, the reference weights."""
 
     def __init__(self, args, device):
-        import torch
-
-        import fused_pool_gelu
-
         self.args = args
         self.device = device
         self.dtype = torch_dtype(args.dtype)
         self.K, self.O = args.in_features, args.out_features
         self.k, self.scale = args.pool, args.scale
         self.N = self.O // self.k
-        torch.manual_seed(args.seed)
-        # Built on the CPU exactly like the tests' Model(*args) after manual_seed, then moved.
-        master = fused_pool_gelu.Model(self.K, self.O, self.k, self.scale)
-        self.master = master.to(device=device, dtype=self.dtype)
         self.compile_kwargs = {"dynamic": None if args.compile_dynamic else False}
         if args.compile_mode:
             self.compile_kwargs["mode"] = args.compile_mode
+        self.master = self.build_master()
+
+    def seeded_model(self):
+        """Model(K, O, k, s) after torch.manual_seed(seed), on the CPU in float32: exactly the tests'
+        Model(*args) after manual_seed, the same parameters in every script."""
+        import torch
+
+        import fused_pool_gelu
+
+        torch.manual_seed(self.args.seed)
+        return fused_pool_gelu.Model(self.K, self.O, self.k, self.scale)
+
+    def build_master(self):
+        """The reference Model on the run's device and dtype (every impl copies or folds it)."""
+        return self.seeded_model().to(device=self.device, dtype=self.dtype)
+
+    def reference_model64(self):
+        """The float64 reference: a float64 copy of the Model (freed once the references of
+        every B are made)."""
+        import torch
+
+        return copy.deepcopy(self.master).to(torch.float64)
+
+    def pooled_for_peers(self):
+        """The peers' folded weights: torch_fold of the Model's, contiguous."""
+        linear = self.master.matmul
+        pooled_weight, pooled_bias = self.torch_fold(linear.weight.detach(), linear.bias.detach())
+        return pooled_weight.contiguous(), pooled_bias.contiguous()
+
+    def pooled_for_ours(self):
+        """Ours' folded weights: fused_pool_gelu.fold of the Model's."""
+        import fused_pool_gelu
+
+        linear = self.master.matmul
+        return fused_pool_gelu.fold(linear.weight.detach(), linear.bias.detach(), self.k)
 
     def make_x(self, batch: int):
         """x [B, K] from benchmark_x (the run's distribution), in the run's dtype."""
@@ -693,11 +720,13 @@ def run_benchmark(
     run_order: List[str],
     make_reference: Callable,
     measure: Callable,
+    make_context: Callable = Context,
 ) -> int:
     """Time every impl of ``args.impls`` (in ``run_order``) at every B; merge into the results file.
 
+    make_context(args, device) -> the run's Context (a subclass may hold folded weights only).
     builders[impl](ctx) -> impl object (built once per impl, reused across B; freed after).
-    make_reference(ctx, x) -> dict of references for one B (float64 run, float32 Model run).
+    make_reference(ctx, model64, x) -> dict of references for one B (float64 run, float32 Model run).
     measure(ctx, impl_obj, x, ref, time_us) -> dict of row fields (median_us, errors, ...).
     A failing impl is reported in its rows and in the output, and the run goes on. Returns 1 when
     a row of ours failed or is not accurate (is_accurate), else 0: a peer's failure is the peer's.
@@ -757,12 +786,12 @@ def run_benchmark(
     except ImportError:
         run_meta["triton"] = None
 
-    ctx = Context(args, device)
+    ctx = make_context(args, device)
     log(f"shape: B in {args.batches}, {shape_text(shape)}; seed {args.seed}", start)
 
     # References for every B, then the float64 model is freed.
     log("building float64 references ...", start)
-    model64 = copy.deepcopy(ctx.master).to(torch.float64)
+    model64 = ctx.reference_model64()
     cases = {}
     for b in args.batches:
         x = ctx.make_x(b)
