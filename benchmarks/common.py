@@ -53,6 +53,8 @@ FLOAT32_CUDA_ONLY = ("fold_tail",)
 MODES = ("forward", "train")
 
 DEFAULT_BATCHES = [1, 16, 128, 1024, 4096]
+# bench_grid.py's results file: <gpu>-grid.json, rendered by plot.py as a grid.
+GRID_SUFFIX = "-grid"
 DEFAULT_SHAPE = dict(K=8192, O=8192, k=16, scale=2.0, dtype="float32", x="rand", launch="eager")
 # x's distribution (benchmark_x): torch.rand, KernelBench's inputs, or torch.randn. It moves the
 # rows' arg-maxes (rand crowds them onto few columns), which ours' backward sees.
@@ -358,8 +360,9 @@ def device_name(device) -> str:
     return "cpu"
 
 
-def default_results_path(device) -> Path:
-    return RESULTS_DIR / f"{slug(device_name(device))}.json"
+def default_results_path(device, suffix: str = "") -> Path:
+    """benchmarks/results/<gpu><suffix>.json (suffix: GRID_SUFFIX for bench_grid.py's file)."""
+    return RESULTS_DIR / f"{slug(device_name(device))}{suffix}.json"
 
 
 def git_revision() -> Optional[str]:
@@ -683,8 +686,10 @@ class Context:
         return model
 
     def torch_fold(self, weight, bias):
-        """Pooled weight and bias in plain PyTorch (view + mean: differentiable)."""
-        n, k = self.N, self.k
+        """Pooled weight and bias in plain PyTorch (view + mean: differentiable). Rows in groups
+        of k; the weight's O % k tail rows are dropped, as AvgPool1d drops them."""
+        k = self.k
+        n = weight.shape[0] // k
         pooled_weight = weight[: n * k].view(n, k, weight.shape[1]).mean(dim=1)
         pooled_bias = bias[: n * k].view(n, k).mean(dim=1)
         return pooled_weight, pooled_bias
@@ -721,10 +726,13 @@ def run_benchmark(
     make_reference: Callable,
     measure: Callable,
     make_context: Callable = Context,
+    deadline_from: Optional[float] = None,
 ) -> int:
     """Time every impl of ``args.impls`` (in ``run_order``) at every B; merge into the results file.
 
     make_context(args, device) -> the run's Context (a subclass may hold folded weights only).
+    deadline_from: the time.perf_counter() that args.deadline_s counts from (default: this call's
+    start; a caller running several shapes passes its own start).
     builders[impl](ctx) -> impl object (built once per impl, reused across B; freed after).
     make_reference(ctx, model64, x) -> dict of references for one B (float64 run, float32 Model run).
     measure(ctx, impl_obj, x, ref, time_us) -> dict of row fields (median_us, errors, ...).
@@ -812,7 +820,8 @@ def run_benchmark(
         return dict(impl=impl, mode=mode, B=b, **shape, date=run_id, run_id=run_id, **fields)
 
     def past_deadline():
-        return args.deadline_s and time.perf_counter() - start > args.deadline_s
+        origin = start if deadline_from is None else deadline_from
+        return args.deadline_s and time.perf_counter() - origin > args.deadline_s
 
     def skip(impl, batches):
         """Rows for the pairs not measured, so that no older run's row stands in for them."""
