@@ -1,8 +1,8 @@
 """The benchmark harness (benchmarks/common.py, plot.py, bench_forward.py, bench_grid.py) on the
 CPU: which rows count as accurate, that a speedup only compares rows of one run, that a skipped
 pair replaces an older run's row, that plot.py passes over files that are not benchmark results,
-that a run whose own rows fail says so in its exit status, and that the shape grid measures,
-skips and summarizes its points. Also that research/simulate_certified.py, the
+that a run whose own rows fail says so in its exit status, that the shape grid measures, skips
+and summarizes its points, and that the KernelBench timing checks ModelNew. Also that research/simulate_certified.py, the
 certified bound's CPU model, still runs from its place and covers the arg-max.
 
 The harness is not part of the package: these tests load it from the source tree beside them and
@@ -313,3 +313,27 @@ def test_the_grid_summary_names_the_worst_point_and_where_ours_is_not_ahead():
     assert "geometric-mean speedup **1.34x**" in summary  # sqrt(2.0 * 0.9)
     assert "worst: K = 256, N = 16, B = 2: 0.90x (ours 10.0 us, fold_eager 9.0 us)" in summary
     assert "Ours not ahead: K = 256, N = 16, B = 2: 0.90x" in summary
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["ours-accurate", "ours-wrong"])
+def test_the_kernelbench_timing_runs_both_models_and_checks_ours(broken, tmp_path, monkeypatch):
+    import fused_pool_gelu
+
+    bench = _load("bench_kernelbench")
+    if broken:
+        class OffModelNew(fused_pool_gelu.ModelNew):
+            def forward(self, x):
+                return super().forward(x) * 1.01
+
+        monkeypatch.setattr(fused_pool_gelu, "ModelNew", OffModelNew)
+    path = tmp_path / "cpu-kernelbench.json"
+    argv = ["--device", "cpu", "-B", "4", "-K", "64", "-O", "64", "-k", "4", "--trials", "3",
+            "--warmup", "1", "--rep", "5", "--out", str(path)]
+    assert bench.main(argv) == (1 if broken else 0)
+    data = json.loads(path.read_text())
+    assert {(r["impl"], r["grad"]) for r in data["rows"]} == {
+        (impl, grad) for impl in ("Model", "ModelNew") for grad in ("enabled", "no_grad")}
+    assert all(r["kernelbench_ms"]["num_trials"] == 3 for r in data["rows"])
+    assert data["correct_trials"] == (0 if broken else bench.KB_CORRECT_TRIALS)
+    assert set(data["speedups"]) == {"enabled", "no_grad"}
+    assert '"excessive speedup" flag' in path.with_suffix(".md").read_text()
