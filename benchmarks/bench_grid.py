@@ -141,8 +141,8 @@ def grid_shapes(args):
     shapes = []
     if "float32" in args.dtypes:
         batches = args.batches or GRID_BATCHES
-        for K, N in sorted(((K, N) for K in args.K for N in args.N), key=lambda s: (s[0] * s[1], s)):
-            shapes.append((K, N, "float32", batches))
+        pairs = sorted(((K, N) for K in args.K for N in args.N), key=lambda s: (s[0] * s[1], s))
+        shapes += [(K, N, "float32", batches) for K, N in pairs]
     if "bfloat16" in args.dtypes and DEFAULT_K in args.K and DEFAULT_N in args.N:
         shapes.append((DEFAULT_K, DEFAULT_N, "bfloat16", args.batches or common.DEFAULT_BATCHES))
     return shapes

@@ -50,7 +50,8 @@ KB_WARMUP_CALLS = 3
 KB_DISCARD_FIRST = 1
 KB_EXCESSIVE_SPEEDUP = 10.0
 KB_FLUSH_SHAPE = (32, 1024, 1024)  # int64: 256 MB, written with fill_(42)
-# Level 2 #98's get_inputs / get_init_inputs: x = torch.rand(1024, 8192); Model(8192, 8192, 16, 2.0).
+# Level 2 #98's get_inputs and get_init_inputs: x = torch.rand(1024, 8192);
+# Model(8192, 8192, 16, 2.0).
 KB_SHAPE = dict(B=1024, K=8192, O=8192, k=16, scale=2.0)
 SUFFIX = "-kernelbench"
 
@@ -103,7 +104,8 @@ def kernelbench_stats(times_ms):
     def rounded(v):
         return float(f"{v:.3g}")
 
-    return {"mean": rounded(statistics.fmean(times_ms)), "std": rounded(statistics.pstdev(times_ms)),
+    return {"mean": rounded(statistics.fmean(times_ms)),
+            "std": rounded(statistics.pstdev(times_ms)),
             "min": rounded(min(times_ms)), "max": rounded(max(times_ms)),
             "num_trials": len(times_ms), "mean_unrounded": statistics.fmean(times_ms)}
 

@@ -634,8 +634,8 @@ class Context:
         self.master = self.build_master()
 
     def seeded_model(self):
-        """Model(K, O, k, s) after torch.manual_seed(seed), on the CPU in float32: exactly the tests'
-        Model(*args) after manual_seed, the same parameters in every script."""
+        """Model(K, O, k, s) after torch.manual_seed(seed), on the CPU in float32: exactly the
+        tests' Model(*args) after manual_seed, the same parameters in every script."""
         import torch
 
         import fused_pool_gelu
@@ -734,7 +734,8 @@ def run_benchmark(
     deadline_from: the time.perf_counter() that args.deadline_s counts from (default: this call's
     start; a caller running several shapes passes its own start).
     builders[impl](ctx) -> impl object (built once per impl, reused across B; freed after).
-    make_reference(ctx, model64, x) -> dict of references for one B (float64 run, float32 Model run).
+    make_reference(ctx, model64, x) -> dict of references for one B (float64 run, float32 Model
+    run).
     measure(ctx, impl_obj, x, ref, time_us) -> dict of row fields (median_us, errors, ...).
     A failing impl is reported in its rows and in the output, and the run goes on. Returns 1 when
     a row of ours failed or is not accurate (is_accurate), else 0: a peer's failure is the peer's.

@@ -223,7 +223,8 @@ def grid_summary(rows) -> list:
         worst = min(timed, key=lambda p: p["speedup"])
         behind = [p for p in timed if p["speedup"] < 1.0]
         lines.append(f"- **{dtype}**: {len(timed)} of {total} points timed against an accurate "
-                     f"peer; geometric-mean speedup **{geomean:.2f}x**; worst: {_point_text(worst)}.")
+                     f"peer; geometric-mean speedup **{geomean:.2f}x**; "
+                     f"worst: {_point_text(worst)}.")
         lines.append("  Ours not ahead: " + ("; ".join(_point_text(p) for p in behind)
                                              if behind else "nowhere") + ".")
     skipped = [p for p in points if common.is_skipped(p["ours"])]

@@ -2,8 +2,9 @@
 CPU: which rows count as accurate, that a speedup only compares rows of one run, that a skipped
 pair replaces an older run's row, that plot.py passes over files that are not benchmark results,
 that a run whose own rows fail says so in its exit status, that the shape grid measures, skips
-and summarizes its points, and that the KernelBench timing checks ModelNew. Also that research/simulate_certified.py, the
-certified bound's CPU model, still runs from its place and covers the arg-max.
+and summarizes its points, and that the KernelBench timing checks ModelNew. Also that
+research/simulate_certified.py, the certified bound's CPU model, still runs from its place and
+covers the arg-max.
 
 The harness is not part of the package: these tests load it from the source tree beside them and
 skip where there is none (an sdist's tests).
