@@ -50,26 +50,25 @@ def build_ref_compile(ctx):
     return torch.compile(model, **ctx.compile_kwargs)
 
 
-def _pooled_torch(ctx):
-    w, b = ctx.master.matmul.weight.detach(), ctx.master.matmul.bias.detach()
-    pooled_weight, pooled_bias = ctx.torch_fold(w, b)
-    return pooled_weight.contiguous(), pooled_bias.contiguous()
-
-
 def build_fold_eager(ctx):
-    pooled_weight, pooled_bias = _pooled_torch(ctx)
+    pooled_weight, pooled_bias = ctx.pooled_for_peers()
     fn = ctx.folded_forward_fn()
     return lambda x: fn(x, pooled_weight, pooled_bias)
 
 
 def build_fold_compile(ctx):
-    pooled_weight, pooled_bias = _pooled_torch(ctx)
+    pooled_weight, pooled_bias = ctx.pooled_for_peers()
     fn = torch.compile(ctx.folded_forward_fn(), **ctx.compile_kwargs)
     return lambda x: fn(x, pooled_weight, pooled_bias)
 
 
+# fold_tail's columns per step of a row's loop: the default shape's N (one step per row there);
+# narrower rows take the next power of two above N, so that no lanes idle.
+TAIL_MAX_BLOCK = 512
+
+
 def _triton_tail_kernel():
-    """gelu(z) * scale and its row max in one Triton kernel: one program per row (N = 512 here)."""
+    """gelu(z) * scale and its row max in one Triton kernel: one program per row."""
     import triton
     import triton.language as tl
 
@@ -91,9 +90,11 @@ def _triton_tail_kernel():
 def build_fold_tail(ctx):
     if ctx.device.type != "cuda" or ctx.dtype != torch.float32:
         raise RuntimeError("fold_tail is a float32 CUDA peer")
-    pooled_weight, pooled_bias = _pooled_torch(ctx)
+    pooled_weight, pooled_bias = ctx.pooled_for_peers()
+    import triton
+
     tail, scale = _triton_tail_kernel(), float(ctx.scale)
-    block = 512
+    block = min(TAIL_MAX_BLOCK, triton.next_power_of_2(max(ctx.N, 1)))
 
     def fn(x):
         z = torch.addmm(pooled_bias, x, pooled_weight.t())
@@ -107,8 +108,7 @@ def build_fold_tail(ctx):
 def build_ours_op(ctx):
     import fused_pool_gelu
 
-    w, b = ctx.master.matmul.weight.detach(), ctx.master.matmul.bias.detach()
-    pooled_weight, pooled_bias = fused_pool_gelu.fold(w, b, ctx.k)
+    pooled_weight, pooled_bias = ctx.pooled_for_ours()
     prepared_weight = fused_pool_gelu.prepare_weight(pooled_weight)
     op, scale = torch.ops.fused_pool_gelu.forward, ctx.scale
     return lambda x: op(x, pooled_weight, pooled_bias, scale, prepared_weight)

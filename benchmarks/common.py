@@ -53,6 +53,8 @@ FLOAT32_CUDA_ONLY = ("fold_tail",)
 MODES = ("forward", "train")
 
 DEFAULT_BATCHES = [1, 16, 128, 1024, 4096]
+# bench_grid.py's results file: <gpu>-grid.json, rendered by plot.py as a grid.
+GRID_SUFFIX = "-grid"
 DEFAULT_SHAPE = dict(K=8192, O=8192, k=16, scale=2.0, dtype="float32", x="rand", launch="eager")
 # x's distribution (benchmark_x): torch.rand, KernelBench's inputs, or torch.randn. It moves the
 # rows' arg-maxes (rand crowds them onto few columns), which ours' backward sees.
@@ -358,8 +360,9 @@ def device_name(device) -> str:
     return "cpu"
 
 
-def default_results_path(device) -> Path:
-    return RESULTS_DIR / f"{slug(device_name(device))}.json"
+def default_results_path(device, suffix: str = "") -> Path:
+    """benchmarks/results/<gpu><suffix>.json (suffix: GRID_SUFFIX for bench_grid.py's file)."""
+    return RESULTS_DIR / f"{slug(device_name(device))}{suffix}.json"
 
 
 def git_revision() -> Optional[str]:
@@ -619,23 +622,50 @@ class Context:
     """Harness state shared by all impls of one run: shape, device, the reference weights."""
 
     def __init__(self, args, device):
-        import torch
-
-        import fused_pool_gelu
-
         self.args = args
         self.device = device
         self.dtype = torch_dtype(args.dtype)
         self.K, self.O = args.in_features, args.out_features
         self.k, self.scale = args.pool, args.scale
         self.N = self.O // self.k
-        torch.manual_seed(args.seed)
-        # Built on the CPU exactly like the tests' Model(*args) after manual_seed, then moved.
-        master = fused_pool_gelu.Model(self.K, self.O, self.k, self.scale)
-        self.master = master.to(device=device, dtype=self.dtype)
         self.compile_kwargs = {"dynamic": None if args.compile_dynamic else False}
         if args.compile_mode:
             self.compile_kwargs["mode"] = args.compile_mode
+        self.master = self.build_master()
+
+    def seeded_model(self):
+        """Model(K, O, k, s) after torch.manual_seed(seed), on the CPU in float32: exactly the
+        tests' Model(*args) after manual_seed, the same parameters in every script."""
+        import torch
+
+        import fused_pool_gelu
+
+        torch.manual_seed(self.args.seed)
+        return fused_pool_gelu.Model(self.K, self.O, self.k, self.scale)
+
+    def build_master(self):
+        """The reference Model on the run's device and dtype (every impl copies or folds it)."""
+        return self.seeded_model().to(device=self.device, dtype=self.dtype)
+
+    def reference_model64(self):
+        """The float64 reference: a float64 copy of the Model (freed once the references of
+        every B are made)."""
+        import torch
+
+        return copy.deepcopy(self.master).to(torch.float64)
+
+    def pooled_for_peers(self):
+        """The peers' folded weights: torch_fold of the Model's, contiguous."""
+        linear = self.master.matmul
+        pooled_weight, pooled_bias = self.torch_fold(linear.weight.detach(), linear.bias.detach())
+        return pooled_weight.contiguous(), pooled_bias.contiguous()
+
+    def pooled_for_ours(self):
+        """Ours' folded weights: fused_pool_gelu.fold of the Model's."""
+        import fused_pool_gelu
+
+        linear = self.master.matmul
+        return fused_pool_gelu.fold(linear.weight.detach(), linear.bias.detach(), self.k)
 
     def make_x(self, batch: int):
         """x [B, K] from benchmark_x (the run's distribution), in the run's dtype."""
@@ -656,8 +686,10 @@ class Context:
         return model
 
     def torch_fold(self, weight, bias):
-        """Pooled weight and bias in plain PyTorch (view + mean: differentiable)."""
-        n, k = self.N, self.k
+        """Pooled weight and bias in plain PyTorch (view + mean: differentiable). Rows in groups
+        of k; the weight's O % k tail rows are dropped, as AvgPool1d drops them."""
+        k = self.k
+        n = weight.shape[0] // k
         pooled_weight = weight[: n * k].view(n, k, weight.shape[1]).mean(dim=1)
         pooled_bias = bias[: n * k].view(n, k).mean(dim=1)
         return pooled_weight, pooled_bias
@@ -693,11 +725,17 @@ def run_benchmark(
     run_order: List[str],
     make_reference: Callable,
     measure: Callable,
+    make_context: Callable = Context,
+    deadline_from: Optional[float] = None,
 ) -> int:
     """Time every impl of ``args.impls`` (in ``run_order``) at every B; merge into the results file.
 
+    make_context(args, device) -> the run's Context (a subclass may hold folded weights only).
+    deadline_from: the time.perf_counter() that args.deadline_s counts from (default: this call's
+    start; a caller running several shapes passes its own start).
     builders[impl](ctx) -> impl object (built once per impl, reused across B; freed after).
-    make_reference(ctx, x) -> dict of references for one B (float64 run, float32 Model run).
+    make_reference(ctx, model64, x) -> dict of references for one B (float64 run, float32 Model
+    run).
     measure(ctx, impl_obj, x, ref, time_us) -> dict of row fields (median_us, errors, ...).
     A failing impl is reported in its rows and in the output, and the run goes on. Returns 1 when
     a row of ours failed or is not accurate (is_accurate), else 0: a peer's failure is the peer's.
@@ -757,12 +795,12 @@ def run_benchmark(
     except ImportError:
         run_meta["triton"] = None
 
-    ctx = Context(args, device)
+    ctx = make_context(args, device)
     log(f"shape: B in {args.batches}, {shape_text(shape)}; seed {args.seed}", start)
 
     # References for every B, then the float64 model is freed.
     log("building float64 references ...", start)
-    model64 = copy.deepcopy(ctx.master).to(torch.float64)
+    model64 = ctx.reference_model64()
     cases = {}
     for b in args.batches:
         x = ctx.make_x(b)
@@ -783,7 +821,8 @@ def run_benchmark(
         return dict(impl=impl, mode=mode, B=b, **shape, date=run_id, run_id=run_id, **fields)
 
     def past_deadline():
-        return args.deadline_s and time.perf_counter() - start > args.deadline_s
+        origin = start if deadline_from is None else deadline_from
+        return args.deadline_s and time.perf_counter() - origin > args.deadline_s
 
     def skip(impl, batches):
         """Rows for the pairs not measured, so that no older run's row stands in for them."""

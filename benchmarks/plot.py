@@ -1,5 +1,6 @@
 """Draw the results: time against B (log-log, one line per impl, one panel per mode) and the
-markdown tables the README embeds.
+markdown tables the README embeds; for bench_grid.py's <gpu>-grid.json, the grid's summary, its
+per-shape tables and a heatmap of the speedup per (K, N) and B.
 
     python benchmarks/plot.py                          # every benchmarks/results/*.json
     python benchmarks/plot.py benchmarks/results/nvidia-h200.json
@@ -11,6 +12,7 @@ and prints the markdown. Needs matplotlib for the PNG only (--no-png to skip); t
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -142,6 +144,213 @@ def plot(data: dict, png: Path) -> None:
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------------------------
+# The shape grid (bench_grid.py)
+
+
+# The heatmap's colours saturate at 2^3 = 8x either way: the range where the grid's ratios
+# are expected, so that 0.9x and 1.1x stay told apart.
+HEATMAP_MAX_LOG2 = 3.0
+
+
+def is_grid_file(path: Path) -> bool:
+    return Path(path).stem.endswith(common.GRID_SUFFIX)
+
+
+def _grid_label(row: dict) -> str:
+    dtype = "" if row.get("dtype") == "float32" else f", {row.get('dtype')}"
+    return f"K = {row['K']}, N = {row['O'] // row['k']}{dtype}"
+
+
+def _grid_configs(rows):
+    """The grid's shapes, float32 first, then by K and N: (config, rows) pairs."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r.get("mode") == "forward":
+            groups[common.config_key(r)].append(r)
+    return sorted(groups.items(), key=lambda item: (
+        item[1][0].get("dtype") != "float32", str(item[1][0].get("dtype")), item[1][0]["K"],
+        item[1][0]["O"] // item[1][0]["k"]))
+
+
+def grid_points(rows):
+    """One dict per (shape, B) where ours_op has a row: ours' row, the best accurate peer of its
+    run (or None) and the speedup best / ours (None where either time is missing)."""
+    points = []
+    for _, config_rows in _grid_configs(rows):
+        index = {(r["impl"], r["B"]): r for r in config_rows}
+        for b in sorted({r["B"] for r in config_rows}):
+            ours = index.get(("ours_op", b))
+            if ours is None:
+                continue
+            peers = [r for r in config_rows if r["B"] == b and r["impl"] in common.PEERS
+                     and r.get("run_id") == ours.get("run_id") and common.is_accurate(r)]
+            best = min(peers, key=lambda r: r["median_us"]) if peers else None
+            speedup = None
+            if best is not None and ours.get("median_us"):
+                speedup = best["median_us"] / ours["median_us"]
+            points.append(dict(label=_grid_label(ours), B=b, dtype=ours.get("dtype"), ours=ours,
+                               best=best, speedup=speedup))
+    return points
+
+
+def _no_speedup(p) -> str:
+    """What a point without a speedup shows: why there is none."""
+    if common.is_skipped(p["ours"]):
+        return common.SKIPPED
+    return "error" if p["ours"].get("median_us") is None else "no peer"
+
+
+def _point_text(p) -> str:
+    best = p["best"]
+    return (f"{p['label']}, B = {p['B']}: {p['speedup']:.2f}x (ours "
+            f"{common._fmt_us(p['ours']['median_us'])} us, {best['impl']} "
+            f"{common._fmt_us(best['median_us'])} us)")
+
+
+def grid_summary(rows) -> list:
+    """Markdown lines: per dtype the geometric-mean speedup, the worst point, the points where
+    ours is not ahead; then the points not measured, not accurate or without an accurate peer."""
+    points = grid_points(rows)
+    lines = []
+    for dtype in sorted({p["dtype"] for p in points}, key=lambda d: (d != "float32", d)):
+        timed = [p for p in points if p["dtype"] == dtype and p["speedup"] is not None]
+        total = sum(p["dtype"] == dtype for p in points)
+        if not timed:
+            lines.append(f"- **{dtype}**: none of {total} points timed against a peer.")
+            continue
+        geomean = math.exp(sum(math.log(p["speedup"]) for p in timed) / len(timed))
+        worst = min(timed, key=lambda p: p["speedup"])
+        behind = [p for p in timed if p["speedup"] < 1.0]
+        lines.append(f"- **{dtype}**: {len(timed)} of {total} points timed against an accurate "
+                     f"peer; geometric-mean speedup **{geomean:.2f}x**; "
+                     f"worst: {_point_text(worst)}.")
+        lines.append("  Ours not ahead: " + ("; ".join(_point_text(p) for p in behind)
+                                             if behind else "nowhere") + ".")
+    skipped = [p for p in points if common.is_skipped(p["ours"])]
+    if skipped:
+        reasons = defaultdict(list)
+        for p in skipped:
+            reasons[p["ours"]["error"]].append(f"{p['label']}, B = {p['B']}")
+        for reason, where in reasons.items():
+            lines.append(f"- Not measured, {reason}: {'; '.join(where)}.")
+    inaccurate = [p for p in points if p["ours"].get("median_us") is not None
+                  and not common.is_accurate(p["ours"])]
+    if inaccurate:
+        lines.append("- **Ours not accurate** (is_accurate): " + "; ".join(
+            f"{p['label']}, B = {p['B']}" for p in inaccurate) + ".")
+    no_peer = [p for p in points if p["ours"].get("median_us") is not None and p["best"] is None]
+    if no_peer:
+        lines.append("- No accurate peer in ours' run: " + "; ".join(
+            f"{p['label']}, B = {p['B']}" for p in no_peer) + ".")
+    return lines
+
+
+def grid_markdown(data: dict, source: str) -> str:
+    rows = data.get("rows", [])
+    runs = data.get("runs", {})
+    points = grid_points(rows)
+    batches = sorted({p["B"] for p in points})
+    lines = [
+        f"<!-- generated by benchmarks/plot.py from {source}; edit the data, not this file -->",
+        f"**{data.get('device', '?')}**, {data.get('date', '?')[:10]}, "
+        f"torch {data.get('torch', '?')}: the shape grid (benchmarks/bench_grid.py)",
+        "",
+        "ours_op (the forward op on folded weights, with a prepared weight) against fold_eager, "
+        "fold_compile and fold_tail on the same folded weights; k = 16, s = 2.0, x ~ rand. "
+        "Speedup = the best float32-accurate peer of the same run / ours (float32-accurate: "
+        f"||out - ref64|| / ||ref64|| <= {common.ACCURATE_REL_ERR:g} and every element allclose "
+        f"(atol = rtol = {common.ALLCLOSE_TOL['float32']:g}) to the float64 reference; in "
+        f"bfloat16 the allclose alone, {common.ALLCLOSE_TOL['bfloat16']:g}). Median "
+        "microseconds.",
+        "",
+        "## Summary",
+        "",
+        *grid_summary(rows),
+        "",
+        "## Speedup per shape and B",
+        "",
+        "| shape | " + " | ".join(f"B = {b}" for b in batches) + " |",
+        "|" + "---|" * (len(batches) + 1),
+    ]
+    cells = {(p["label"], p["B"]): p for p in points}
+    for label in dict.fromkeys(p["label"] for p in points):
+        row = [label]
+        for b in batches:
+            p = cells.get((label, b))
+            if p is None:
+                row.append("")
+            elif p["speedup"] is not None:
+                row.append(f"{p['speedup']:.2f}x" + ("" if common.is_accurate(p["ours"]) else "*"))
+            else:
+                row.append(_no_speedup(p))
+        lines.append("| " + " | ".join(row) + " |")
+    if any(p["speedup"] is not None and not common.is_accurate(p["ours"]) for p in points):
+        lines += ["", "\\* ours not accurate at that point."]
+    lines += ["", "## Per shape"]
+    for _, config_rows in _grid_configs(rows):
+        lines += ["", f"### {_grid_label(config_rows[0])} (O = {config_rows[0]['O']})"]
+        for run_id in sorted({r.get("run_id") for r in config_rows if r.get("run_id")}):
+            meta = runs.get(run_id, {})
+            timer = f"timer {meta['timer']}" if meta.get("timer") else "no point measured"
+            lines += ["", f"Run {run_id}: {timer}"
+                      + (f", git {meta['git']}" if meta.get("git") else "") + "."]
+        lines += ["", common.markdown_tables(config_rows, "forward")]
+    return "\n".join(lines) + "\n"
+
+
+def plot_grid(data: dict, png: Path) -> None:
+    """A heatmap of log2(speedup): a row per shape, a column per B, each cell labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = grid_points(data.get("rows", []))
+    if not points:
+        return
+    labels = list(dict.fromkeys(p["label"] for p in points))
+    batches = sorted({p["B"] for p in points})
+    cells = {(p["label"], p["B"]): p for p in points}
+    values = [[math.log2(cells[(label, b)]["speedup"])
+               if (label, b) in cells and cells[(label, b)]["speedup"] else float("nan")
+               for b in batches] for label in labels]
+    bound = HEATMAP_MAX_LOG2
+    fig, ax = plt.subplots(figsize=(1.3 * len(batches) + 3.0, 0.42 * len(labels) + 1.8))
+    image = ax.imshow(values, cmap="RdYlGn", vmin=-bound, vmax=bound, aspect="auto")
+    for i, label in enumerate(labels):
+        for j, b in enumerate(batches):
+            p = cells.get((label, b))
+            text = "" if p is None else (f"{p['speedup']:.2f}x" if p["speedup"] else _no_speedup(p))
+            ax.text(j, i, text, ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xlabel("batch size B")
+    colorbar = fig.colorbar(image, ax=ax)
+    colorbar.set_label("log2(best accurate peer / ours)")
+    ax.set_title(f"fused_pool_gelu forward, shape grid: {data.get('device', '?')} "
+                 f"({data.get('date', '?')[:10]}, torch {data.get('torch', '?')})", fontsize=9)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def write_grid_report(data: dict, path: Path, out_dir: Path = None, png: bool = True) -> str:
+    """<name>.md and, with matplotlib, <name>.png of a grid results file; returns the markdown."""
+    path = Path(path)
+    out_dir = out_dir or path.parent
+    md = grid_markdown(data, path.name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{path.stem}.md").write_text(md)
+    if png:
+        try:
+            plot_grid(data, out_dir / f"{path.stem}.png")
+        except ImportError as error:
+            print(f"no PNG for {path.name} ({error}); pip install matplotlib", file=sys.stderr)
+    return md
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="*", type=Path,
@@ -161,6 +370,10 @@ def main(argv=None) -> int:
             print(f"{path.name}: not a bench_forward.py / bench_train.py results file, skipped")
             continue
         out_dir = args.out_dir or path.parent
+        if is_grid_file(path):
+            print(write_grid_report(data, path, out_dir, png=not args.no_png))
+            print(f"wrote {out_dir / (path.stem + '.md')}")
+            continue
         md = markdown(data, path.name)
         md_path = out_dir / f"{path.stem}.md"
         md_path.parent.mkdir(parents=True, exist_ok=True)

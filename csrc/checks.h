@@ -161,6 +161,39 @@ inline void check_model_forward_inputs(const Tensor& x, const Tensor& weight) {
   check_x_and_weight("model_forward", x, "weight", weight, "[out_features, in_features]");
 }
 
+// model_forward's optional pooled_weight, pooled_bias and prepared_weight (a caller's cached fold
+// of weight and bias): given together, shaped, placed and typed as fold's outputs for this weight.
+// Their values are trusted to be that fold (comparing them would cost the fold they save).
+inline void check_model_forward_folded(const Tensor& weight, const std::optional<Tensor>& bias,
+                                       int64_t pool_kernel_size,
+                                       const std::optional<Tensor>& pooled_weight,
+                                       const std::optional<Tensor>& pooled_bias,
+                                       const std::optional<Tensor>& prepared_weight) {
+  FPG_CHECK(pooled_weight.has_value() == pooled_bias.has_value(),
+            "fused_pool_gelu.model_forward: pooled_weight and pooled_bias must be given together "
+            "(fold's two outputs), got only ",
+            pooled_weight.has_value() ? "pooled_weight" : "pooled_bias");
+  FPG_CHECK(!prepared_weight.has_value() || pooled_weight.has_value(),
+            "fused_pool_gelu.model_forward: prepared_weight is made from pooled_weight, which "
+            "must be given with it, got prepared_weight without pooled_weight");
+  if (!pooled_weight.has_value()) return;
+  // fold's checks, which the call no longer reaches: the pooled shape needs a valid k.
+  check_fold_inputs(weight, bias, pool_kernel_size);
+  const int64_t pooled_features = weight.size(0) / pool_kernel_size;
+  FPG_CHECK(pooled_weight->dim() == 2 && pooled_weight->size(0) == pooled_features &&
+                pooled_weight->size(1) == weight.size(1),
+            "fused_pool_gelu.model_forward: pooled_weight must be fold's [out_features // "
+            "pool_kernel_size, in_features] = [", pooled_features, ", ", weight.size(1),
+            "], got shape ", sizes_text(*pooled_weight));
+  FPG_CHECK(pooled_bias->dim() == 1 && pooled_bias->size(0) == pooled_features,
+            "fused_pool_gelu.model_forward: pooled_bias must be fold's [out_features // "
+            "pool_kernel_size] = [", pooled_features, "], got shape ", sizes_text(*pooled_bias));
+  check_same_device("model_forward", "pooled_weight", *pooled_weight, "weight", weight);
+  check_same_dtype("model_forward", "pooled_weight", *pooled_weight, "weight", weight);
+  check_same_device("model_forward", "pooled_bias", *pooled_bias, "weight", weight);
+  check_same_dtype("model_forward", "pooled_bias", *pooled_bias, "weight", weight);
+}
+
 // prepare_weight(weight [N, K]): any floating dtype (the copy is made from its float32 values).
 inline void check_prepare_weight_inputs(const Tensor& weight) {
   check_rank("prepare_weight", "weight", weight, 2, "[pooled_features, in_features]");

@@ -4,6 +4,11 @@
 // forward_with_argmax forward, model_backward backward) is registered from Python
 // (fused_pool_gelu/_autograd.py); these kernels serve the calls that need no gradient.
 //
+// A caller that holds fold(weight, bias, k) (ModelNew's cache, unchanged parameters) passes it as
+// pooled_weight and pooled_bias, with its prepared copy if it has one: the forward then skips the
+// fold, and the backward is the same (fold_backward needs none of fold's values), so gradient
+// accumulation and evaluation with grad enabled fold once per parameter update.
+//
 // Inputs are validated by the kernels it calls, so errors name them (fold: for weight, bias and
 // pool_kernel_size; forward: for x), as they do when ModelNew calls the ops one by one; x's width
 // against the unfolded weight first (check_model_forward_inputs), which forward would report
@@ -24,10 +29,18 @@ namespace {
 template <auto fold, auto forward_with_argmax>
 Tensor model_forward_kernel(const Tensor& x, const Tensor& weight,
                             const std::optional<Tensor>& bias, int64_t pool_kernel_size,
-                            double scale) {
+                            double scale, const std::optional<Tensor>& pooled_weight,
+                            const std::optional<Tensor>& pooled_bias,
+                            const std::optional<Tensor>& prepared_weight) {
   check_model_forward_inputs(x, weight);
-  const auto [pooled_weight, pooled_bias] = fold(weight, bias, pool_kernel_size);
-  return std::get<0>(forward_with_argmax(x, pooled_weight, pooled_bias, scale, std::nullopt));
+  check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
+                             prepared_weight);
+  if (pooled_weight.has_value()) {
+    return std::get<0>(forward_with_argmax(x, *pooled_weight, *pooled_bias, scale,
+                                           prepared_weight));
+  }
+  const auto [folded_weight, folded_bias] = fold(weight, bias, pool_kernel_size);
+  return std::get<0>(forward_with_argmax(x, folded_weight, folded_bias, scale, std::nullopt));
 }
 
 // model_backward on the CPU: the two ops it stands for (CUDA has a kernel of its own, which skips

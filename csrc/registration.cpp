@@ -52,9 +52,11 @@ STABLE_TORCH_LIBRARY(fused_pool_gelu, m) {
       "model_backward(Tensor grad_out, Tensor x, Tensor pooled_weight, Tensor argmax, "
       "Tensor preactivation, float scale, int out_features, int pool_kernel_size) -> "
       "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
-  // forward(x, *fold(weight, bias, k), scale): ModelNew's training path (one autograd node).
+  // forward(x, *fold(weight, bias, k), scale): ModelNew's training path (one autograd node); a
+  // caller that holds that fold (and its prepared copy) passes it instead of refolding.
   m.def(
-      "model_forward(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, float scale) "
+      "model_forward(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, float scale, "
+      "Tensor? pooled_weight=None, Tensor? pooled_bias=None, Tensor? prepared_weight=None) "
       "-> Tensor");
   // Diagnostics: per row, the columns the certified selection sends to rescoring (-1: all).
   m.def(

@@ -50,10 +50,12 @@ _AUTOCAST_KEYS = torch._C.DispatchKeySet(
 _autocast_lib = torch.library.Library("fused_pool_gelu", "IMPL")
 
 
-def _model_forward_autocast(x, weight, bias, pool_kernel_size, scale):
+def _model_forward_autocast(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
+                            pooled_bias=None, prepared_weight=None):
     # Through the public wrappers (looked up on ops at each call), as ModelNew's other paths call
     # the ops and as test_model_new_folds_in_float32_under_autocast observes them, after
-    # model_forward's own checks (its C++ kernels', which this path does not reach).
+    # model_forward's own checks (its C++ kernels', which this path does not reach). A given fold
+    # is not used: autograd runs below this key, and must reach weight and bias through the fold.
     check_model_forward_inputs(x, weight)
     return ops.forward(x, *ops.fold(weight, bias, pool_kernel_size), scale)
 

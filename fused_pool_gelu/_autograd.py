@@ -21,7 +21,7 @@ import torch
 from torch import _C
 from torch.autograd import forward_ad
 
-from ._checks import check_model_forward_inputs
+from ._checks import check_model_forward_folded, check_model_forward_inputs
 
 _ops = torch.ops.fused_pool_gelu
 _lib = torch.library.Library("fused_pool_gelu", "IMPL")
@@ -205,16 +205,20 @@ def _model_backward_autograd(grad_out, x, pooled_weight, argmax, preactivation, 
 
 
 class _ModelForward(torch.autograd.Function):
-    """fold and forward_with_argmax as one node; its backward is model_backward (forward_backward
-    then fold_backward, the same sums in the same order as the separate ops' backward), or
-    forward_backward alone when only x needs a gradient."""
+    """fold and forward_with_argmax as one node, or forward_with_argmax alone on a given fold; its
+    backward is model_backward (forward_backward then fold_backward, the same sums in the same
+    order as the separate ops' backward), or forward_backward alone when only x needs a
+    gradient. The given fold is not differentiated: the gradients reach weight and bias through
+    fold_backward, which needs none of fold's values."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, pool_kernel_size, scale):
+    def forward(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight, pooled_bias,
+                prepared_weight):
         with _below_autograd():
-            pooled_weight, pooled_bias = _ops.fold(weight, bias, pool_kernel_size)
+            if pooled_weight is None:
+                pooled_weight, pooled_bias = _ops.fold(weight, bias, pool_kernel_size)
             out, argmax, preactivation = _ops.forward_with_argmax(
-                x, pooled_weight, pooled_bias, scale
+                x, pooled_weight, pooled_bias, scale, prepared_weight
             )
         ctx.save_for_backward(x, pooled_weight, argmax, preactivation)
         ctx.out_features = weight.shape[0]
@@ -242,16 +246,22 @@ class _ModelForward(torch.autograd.Function):
                 ctx.scale,
             )[0]
         return (grad_x if needs_x else None, grad_weight if needs_weight else None,
-                grad_bias if needs_bias else None, None, None)
+                grad_bias if needs_bias else None, None, None, None, None, None)
 
 
-def model_forward_autograd(x, weight, bias, pool_kernel_size, scale):
+def model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
+                           pooled_bias=None, prepared_weight=None):
     check_model_forward_inputs(x, weight)
+    if pooled_weight is not None or pooled_bias is not None or prepared_weight is not None:
+        check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
+                                   prepared_weight)
     _check_no_tangents("model_forward", ("x", "weight", "bias"), (x, weight, bias))
     if _needs_grad(x, weight, bias):
-        return _ModelForward.apply(x, weight, bias, pool_kernel_size, scale)
+        return _ModelForward.apply(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                                   pooled_bias, prepared_weight)
     with _below_autograd():
-        return _ops.model_forward(x, weight, bias, pool_kernel_size, scale)
+        return _ops.model_forward(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                                  pooled_bias, prepared_weight)
 
 
 def _prepare_weight_autograd(weight):

@@ -14,10 +14,9 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules import module as _module
 
-from . import ops
+from . import _fold_cache, ops
 
 __all__ = ["Model", "ModelNew"]
 
@@ -91,8 +90,6 @@ def _is_plain_linear(linear: nn.Module) -> bool:
     )
 
 
-# torch's FSDP2 (fully_shard) module that defines FSDPState; loaded only by programs that use it.
-_FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
 
 
 def _fsdp_forward_hooks(linear: nn.Module):
@@ -100,7 +97,7 @@ def _fsdp_forward_hooks(linear: nn.Module):
     ``fully_shard(linear)`` registers (unshard and input cast before the forward; reshard, the
     pre-backward hook and output cast after it), else None. Around them the Linear is a plain
     x @ weight.T + bias on the unsharded parameters, which ModelNew can fold."""
-    fsdp_state = sys.modules.get(_FSDP_STATE_MODULE)
+    fsdp_state = sys.modules.get(_fold_cache.FSDP_STATE_MODULE)
     if fsdp_state is None or type(linear).forward is not _LINEAR_FORWARD:
         return None
     pre_hooks, post_hooks = linear._forward_pre_hooks, linear._forward_hooks
@@ -121,40 +118,6 @@ def _fsdp_forward_hooks(linear: nn.Module):
             or post_id in linear._forward_hooks_with_kwargs):
         return None
     return pre_hook, post_hook
-
-
-# id of each unsharded parameter _written_in_place_by_fsdp found -> a weak reference to the
-# FSDPParam that owns it (not to the tensor: torch.utils.swap_tensors refuses tensors with weak
-# references, and load_state_dict may swap ModelNew's parameters).
-_FSDP_UNSHARDED_PARAMETERS = {}
-
-
-def _written_in_place_by_fsdp(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a parameter that FSDP2 all-gathers into: it rewrites that tensor at
-    every unshard with its version counter preserved (on a caching allocator often at the same
-    address), so a fold cached on it would go stale. FSDP keeps one unsharded parameter object
-    across iterations: found once, it is recognised from then on by its id."""
-    fsdp_state = sys.modules.get(_FSDP_STATE_MODULE)
-    if fsdp_state is None:
-        return False
-    known = _FSDP_UNSHARDED_PARAMETERS.get(id(tensor))
-    if known is not None and getattr(known(), "_unsharded_param", None) is tensor:
-        return True
-    from torch.distributed._composable_state import _module_state_mapping
-
-    for state_ref in list(_module_state_mapping.values()):
-        state = state_ref()
-        if not isinstance(state, fsdp_state.FSDPState):
-            continue
-        try:
-            for group in state._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    if getattr(fsdp_param, "_unsharded_param", None) is tensor:
-                        _FSDP_UNSHARDED_PARAMETERS[id(tensor)] = weakref.ref(fsdp_param)
-                        return True
-        except AttributeError:  # FSDP's internals moved: assume it writes, cache nothing
-            return True
-    return False
 
 
 def _is_dtensor(tensor) -> bool:
@@ -217,16 +180,19 @@ class ModelNew(nn.Module):
     """Drop-in replacement for :class:`Model`: same constructor, parameters and state_dict.
 
     The pooling is folded into the weight (``ops.fold``) and the rest runs as one fused op
-    (``ops.forward``). When no gradient is needed, the folded weight (with, on CUDA in float32,
-    its ``ops.prepare_weight`` copy) is cached and refolded only after ``matmul.weight`` or
-    ``matmul.bias`` change (optimizer step, in-place edit, ``load_state_dict``, ``.to()``, a new
-    tensor assigned to ``.data``), detected through the parameters' identity, storage, data pointer,
-    shape, strides and version counter (no host sync per call), or ``pool_kernel_size`` does.
-    In-place edits through ``.data`` bypass the version counter; call :meth:`invalidate_fold` after
-    such an edit. When gradients are needed (training), the fold is recorded in the autograd graph
-    each call so that weight and bias get their gradients: eagerly and under CUDA-graph capture
-    through ``ops.model_forward`` (fold and forward as one autograd node), under torch.compile and
-    torch.jit.trace through ``ops.fold`` then ``ops.forward``.
+    (``ops.forward``). The folded weight (with, on CUDA in float32, its ``ops.prepare_weight``
+    copy) is cached (``fused_pool_gelu/_fold_cache.py``) and refolded only after ``matmul.weight``
+    or ``matmul.bias`` change (optimizer step, in-place edit, ``load_state_dict``, ``.to()``, a new
+    tensor assigned to ``.data``), detected through the parameters' storage, data pointer, shape,
+    strides and version counter (no host sync per call), or ``pool_kernel_size`` does. In-place
+    edits through ``.data`` bypass the version counter; call :meth:`invalidate_fold` after such an
+    edit. Training (gradients needed) runs ``ops.model_forward``, one autograd node whose forward
+    takes the cached fold and whose backward sends the gradients to weight and bias, so gradient
+    accumulation and evaluation with grad enabled fold once per update; a CUDA-graph capture
+    records the fold, so that replays follow updates. Under torch.compile, torch.export and
+    torch.jit.trace the forward is one op that reads the same cache at run time
+    (``cached_model_forward``); compiled training records ``ops.fold`` then ``ops.forward`` in its
+    graph instead.
 
     What the fold cannot express runs Model's computation instead (Model's numbers and speed):
     a ``matmul`` that does more than ``x @ weight.T + bias`` (module hooks on it, as
@@ -248,7 +214,6 @@ class ModelNew(nn.Module):
         self.matmul = nn.Linear(in_features, out_features)
         self.pool_kernel_size = pool_kernel_size
         self.scale_factor = scale_factor
-        self._fold_cache: Optional[tuple] = None
 
     @classmethod
     def from_model(cls, model: Model) -> "ModelNew":
@@ -265,7 +230,6 @@ class ModelNew(nn.Module):
         new.matmul = copy.deepcopy(model.matmul)
         new.pool_kernel_size = kernel_size
         new.scale_factor = model.scale_factor
-        new._fold_cache = None
         return new
 
     def __prepare_scriptable__(self):
@@ -282,7 +246,7 @@ class ModelNew(nn.Module):
 
     def invalidate_fold(self) -> None:
         """Drop the cached folded weight (needed only after edits through ``.data``)."""
-        self._fold_cache = None
+        _fold_cache.forget(self.matmul.weight, self.matmul.bias)
 
     def folded_parameters(self) -> Tuple[Tensor, Tensor]:
         """(pooled_weight, pooled_bias) for the current parameters, from the cache when valid.
@@ -293,101 +257,15 @@ class ModelNew(nn.Module):
         pool_kernel_size = _checked_pool_kernel_size(self.pool_kernel_size)
         return self._folded(linear.weight, linear.bias, pool_kernel_size)[:2]
 
-    @staticmethod
-    def _stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
-        # A parameter is unchanged while it is the same object, viewing the same storage at the
-        # same address with the same shape and strides, with the same version counter (every
-        # in-place op, optimizer steps and load_state_dict included, bumps it; `.data = ...`
-        # does not). The storage is its StorageImpl's address, which the cache entry pins with a
-        # weak reference (_storage_refs): a storage assigned through `.data` after the cached one
-        # was freed cannot take that address, while its data may well reuse the freed data's (an
-        # allocator hands the same block back). As csrc/prepared_weight.cpp records a weight.
-        # One flat tuple, the storages first (_storage_refs compares them): this runs at every
-        # inference call, and host time counts at small batch.
-        if bias is None:
-            return (weight.untyped_storage()._cdata, weight.data_ptr(), weight.shape,
-                    weight.stride(), weight._version, weight.dtype, weight.device)
-        return (weight.untyped_storage()._cdata, bias.untyped_storage()._cdata, weight.data_ptr(),
-                weight.shape, weight.stride(), weight._version, weight.dtype, weight.device,
-                bias.data_ptr(), bias.shape, bias.stride(), bias._version, bias.dtype, bias.device)
-
-    @staticmethod
-    def _storage_refs(weight: Tensor, bias: Optional[Tensor], stamp: tuple) -> Optional[tuple]:
-        # Held by the cache entry: while they live, no other storage can have the stamped
-        # StorageImpl addresses (the data itself is freed as usual). None where a parameter's
-        # storage is no longer the stamped one (another thread assigned `.data` since the stamp):
-        # then nothing is cached.
-        refs = (StorageWeakRef(weight.untyped_storage()),)
-        if bias is not None:
-            refs += (StorageWeakRef(bias.untyped_storage()),)
-        return refs if tuple(ref.cdata for ref in refs) == stamp[:len(refs)] else None
-
     def _folded(
-        self, weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int
+        self, weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int, prepare: bool = True
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """(pooled_weight, pooled_bias, prepared_weight or None), from the cache when valid
-        (pool_kernel_size: the attribute, checked; it may change, as the weight may)."""
-        try:
-            stamp = self._stamp(weight, bias)
-        except RuntimeError:
-            # Parameters without storage to stamp: functorch's wrappers (torch.func.vmap over
-            # stacked parameters, an ensemble through functional_call) or other tensor
-            # subclasses. They are new objects at every call anyway: fold them, cache nothing.
-            return (*ops.fold(weight, bias, pool_kernel_size), None)
-        cache = self._fold_cache
-        if cache is not None:
-            (weight_ref, bias_ref, cached_pool_kernel_size, cached_stamp, _, folded,
-             folded_versions) = cache
-            cached_bias = None if bias_ref is None else bias_ref()
-            same_objects = weight_ref() is weight and cached_bias is bias
-            # The folded tensors' versions too: folded_parameters() hands them out.
-            if (same_objects and cached_pool_kernel_size == pool_kernel_size
-                    and stamp == cached_stamp
-                    and folded_versions == (folded[0]._version, folded[1]._version)):
-                return folded
-        # Plain tensors even when called under inference_mode: a frozen model cached there must
-        # still serve later calls whose x requires grad (autograd cannot save inference tensors).
-        with torch.inference_mode(False), torch.no_grad():
-            pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
-            # Only the CUDA float32 forward reads the prepared copy (half the pooled weight's
-            # bytes); it is made once here instead of in every large-batch call.
-            prepared_weight = (
-                ops.prepare_weight(pooled_weight)
-                if pooled_weight.is_cuda and pooled_weight.dtype == torch.float32
-                else None
-            )
-        folded = (pooled_weight, pooled_bias, prepared_weight)
-        if _written_in_place_by_fsdp(weight) or (
-            bias is not None and _written_in_place_by_fsdp(bias)
-        ):
-            return folded  # FSDP2's unsharded parameters: refolded every call
-        storage_refs = self._storage_refs(weight, bias, stamp)
-        if storage_refs is not None:
-            # One assignment of a whole entry: concurrent callers see either the old or the new
-            # one.
-            self._fold_cache = (
-                weakref.ref(weight),
-                None if bias is None else weakref.ref(bias),
-                pool_kernel_size,
-                stamp,
-                storage_refs,
-                folded,
-                (pooled_weight._version, pooled_bias._version),
-            )
-        return folded
-
-    def _apply(self, fn, *args, **kwargs):
-        # .to() / .half() / .cuda() may swap storages through `param.data = ...`, which keeps the
-        # version counter, and a caching allocator can hand the old address back: refold.
-        self._fold_cache = None
-        return super()._apply(fn, *args, **kwargs)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        # The cache's weak references to the parameters would make torch.utils.swap_tensors refuse
-        # them (load_state_dict under torch.__future__.set_swap_module_params_on_conversion). The
-        # children's parameters load after this: drop the cache first.
-        self._fold_cache = None
-        return super()._load_from_state_dict(*args, **kwargs)
+        """(pooled_weight, pooled_bias, prepared_weight or None) from the fold cache
+        (_fold_cache.py), which serves them while the parameters are unchanged (pool_kernel_size:
+        the attribute, checked; it may change, as the weight may). prepare: make the prepared
+        copy where the forward reads one (CUDA float32); the training path does not ask (at small
+        batch its forward would not read it)."""
+        return _fold_cache.cached_fold(weight, bias, pool_kernel_size, prepare)
 
     @staticmethod
     def _capturing() -> bool:
@@ -414,13 +292,10 @@ class ModelNew(nn.Module):
         if type(scale) is not float:
             scale = _checked_scale_factor(scale)
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
-            # Traced graphs cannot read version counters, and they trace the ops through their
-            # fake kernels and Python autograd formulas: the fold becomes part of the graph.
             linear = self.matmul
             if not _is_plain_linear(linear) or isinstance(scale, Tensor):
-                return self._reference_forward(linear, x, pool_kernel_size)
-            pooled_weight, pooled_bias = ops.fold(linear.weight, linear.bias, pool_kernel_size)
-            return ops.forward(x, pooled_weight, pooled_bias, scale)
+                return self._forward_around_hooks(linear, x, pool_kernel_size, scale)
+            return self._traced_forward(linear, x, pool_kernel_size, scale)
         # nn.Module's attribute lookups go through __getattr__, about a microsecond of host time
         # each (3.6 us for these three, against a 7 us op at B = 1 on a CPU): the registered
         # parameters are read from the module's dicts. A parameter that is not a registered one
@@ -446,7 +321,9 @@ class ModelNew(nn.Module):
         if hooks is not None:
             pre_hook, post_hook = hooks
             args, _ = pre_hook(linear, (x,), {})
-            out = self._fused_forward(linear, args[0], pool_kernel_size, scale)
+            fused_forward = (self._traced_forward if torch.compiler.is_compiling()
+                             else self._fused_forward)
+            out = fused_forward(linear, args[0], pool_kernel_size, scale)
             return post_hook(linear, args, out)
         if self not in _WARNED_UNFUSED:
             _WARNED_UNFUSED.add(self)
@@ -460,6 +337,19 @@ class ModelNew(nn.Module):
                 stacklevel=5,  # the caller of model(x), through nn.Module.__call__
             )
         return self._reference_forward(linear, x, pool_kernel_size)
+
+    @staticmethod
+    def _traced_forward(linear: nn.Module, x: Tensor, pool_kernel_size: int, scale) -> Tensor:
+        # Traced graphs cannot read version counters: the fold cache is an op that reads them at
+        # run time (_fold_cache.py). Compiled training traces the ops through their fake kernels
+        # and Python autograd formulas instead, the fold in the graph; an exported or
+        # jit-traced graph is the op, which takes the gradient path when one is needed.
+        weight, bias = linear.weight, linear.bias
+        if (torch.is_grad_enabled() and not torch.compiler.is_exporting()
+                and torch._C._get_tracing_state() is None
+                and (weight.requires_grad or (bias is not None and bias.requires_grad))):
+            return ops.forward(x, *ops.fold(weight, bias, pool_kernel_size), scale)
+        return _fold_cache.cached_model_forward(x, weight, bias, pool_kernel_size, scale)
 
     def _fused_forward(self, linear: nn.Module, x: Tensor, pool_kernel_size: int,
                        scale) -> Tensor:
@@ -481,8 +371,16 @@ class ModelNew(nn.Module):
                 # Training, eager or captured in a CUDA graph: the fold must be in the autograd
                 # graph for weight and bias to get gradients; model_forward records fold and
                 # forward as one C++ node (less host time than the two ops' Python autograd nodes,
-                # same bits), whose backward is model_backward.
-                return ops.model_forward(x, weight, bias, pool_kernel_size, scale)
+                # same bits), whose backward is model_backward. Its forward takes the cached fold
+                # where there is one (gradient accumulation, evaluation with grad enabled: one
+                # fold per parameter update); a captured graph folds at every replay, and autocast
+                # and torch.func transforms record the fold (_fold_cache.needs_recorded_fold).
+                if self._capturing() or _fold_cache.needs_recorded_fold(weight):
+                    return ops.model_forward(x, weight, bias, pool_kernel_size, scale)
+                return ops.model_forward(
+                    x, weight, bias, pool_kernel_size, scale,
+                    *self._folded(weight, bias, pool_kernel_size, prepare=False),
+                )
             if self._capturing():
                 pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
                 return ops.forward(x, pooled_weight, pooled_bias, scale)
@@ -498,10 +396,3 @@ class ModelNew(nn.Module):
                     f"{weight.shape[1]}] (matmul.in_features), got shape {list(x.shape)}"
                 ) from error
             raise
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        # The entry holds weak references, which do not pickle, and StorageWeakRef objects, which a
-        # copy would free twice: copies and pickles start without one.
-        state["_fold_cache"] = None
-        return state

@@ -126,17 +126,38 @@ def forward_with_argmax(
 
 
 def model_forward(
-    x: Tensor, weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int, scale: float
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    pool_kernel_size: int,
+    scale: float,
+    pooled_weight: Optional[Tensor] = None,
+    pooled_bias: Optional[Tensor] = None,
+    prepared_weight: Optional[Tensor] = None,
 ) -> Tensor:
     """The block on the unfolded Linear parameters: ``forward(x, *fold(weight, bias, k), scale)``.
 
     Same values and gradients, bit for bit, as :func:`fold` then :func:`forward`, through one
-    autograd node instead of two: less host time per training step. x's and the weight's ranks and widths are checked as ``model_forward``'s; the rest by the
-    op each argument goes to, whose name the error gives (``fold`` or ``forward``).
+    autograd node instead of two: less host time per training step. x's and the weight's ranks
+    and widths are checked as ``model_forward``'s; the rest by the op each argument goes to, whose
+    name the error gives (``fold`` or ``forward``).
+
+    ``pooled_weight`` and ``pooled_bias``: ``fold(weight, bias, pool_kernel_size)`` when the caller
+    already holds it (with ``prepared_weight``, its :func:`prepare_weight` copy, if any). The
+    forward then uses them instead of folding; the gradients still reach ``weight`` and ``bias``
+    (the fold's backward needs none of its forward values), none reaches the given tensors. Their
+    shapes, device and dtype are checked, their values are trusted: they must be that fold. Under
+    autocast and torch.func transforms they are ignored (the fold is recomputed).
     """
     check_int64("model_forward", "pool_kernel_size", pool_kernel_size)
     if _func.transforms_active():
         return _func.model_forward(x, weight, bias, pool_kernel_size, scale)
     if _eager():
-        return _autograd.model_forward_autograd(x, weight, bias, pool_kernel_size, scale)
-    return _ops.model_forward(x, weight, bias, pool_kernel_size, scale)
+        out = _autograd.model_forward_autograd(x, weight, bias, pool_kernel_size, scale,
+                                               pooled_weight, pooled_bias, prepared_weight)
+    else:
+        out = _ops.model_forward(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                                 pooled_bias, prepared_weight)
+    if prepared_weight is not None and not torch.compiler.is_compiling():
+        _prepared.check("model_forward", prepared_weight, pooled_weight)
+    return out

@@ -2,11 +2,14 @@
 # One call on the GPU machine: build from source there, then the requested stages.
 #   scripts/device_run.sh build test test-cuda test-slow test-all test-certified sanitize profile
 #                         profile-certified profile-shapes bench-ours bench-forward
-#                         bench-forward-graph bench-train bench-train-graph
+#                         bench-forward-graph bench-train bench-train-graph bench-grid
+#                         bench-kernelbench
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
 # BENCH_DTYPES="float32 bfloat16 float16" runs each bench-forward* / bench-train* stage once per
 # dtype (default float32); the -graph stages time CUDA-graph replays (--cuda-graph). BENCH_ARGS
-# (split on spaces) adds arguments to them: not --dtype or --cuda-graph, which the stages set.
+# (split on spaces) adds arguments to them: not --dtype or --cuda-graph, which the stages set;
+# to bench-grid, the piece of the grid (e.g. BENCH_ARGS="--K 1024 4096"), whose rows merge into
+# benchmarks/results/<gpu>-grid.json.
 # The benchmarks' results record the commit timed: pass it as FUSED_POOL_GELU_GIT_REVISION=<commit>
 # (the device copy's git metadata is stale, so `git rev-parse` there names an older commit).
 set -uo pipefail
@@ -97,6 +100,18 @@ for stage in "$@"; do
           --out "$RESULTS"
       done
       cp "$RESULTS" "$OUT/"
+      ;;
+    bench-grid)
+      warn_unnamed_revision
+      # bench_grid.py starts nothing past its --deadline-s (420 s): a stage of 8 minutes holds it.
+      STAGE_TIMEOUT_S=${STAGE_TIMEOUT_S:-480} run_stage bench-grid /tmp python3 \
+        "$ROOT/benchmarks/bench_grid.py" ${bench_args[@]+"${bench_args[@]}"}
+      cp "$ROOT"/benchmarks/results/*-grid.* "$OUT/"
+      ;;
+    bench-kernelbench)
+      warn_unnamed_revision
+      run_stage bench-kernelbench /tmp python3 "$ROOT/benchmarks/bench_kernelbench.py"
+      cp "$ROOT"/benchmarks/results/*-kernelbench.* "$OUT/"
       ;;
     *) note "unknown stage $stage" ;;
   esac

@@ -1,8 +1,10 @@
-"""The benchmark harness (benchmarks/common.py, plot.py, bench_forward.py) on the CPU: which rows
-count as accurate, that a speedup only compares rows of one run, that a skipped pair replaces an
-older run's row, that plot.py passes over files that are not benchmark results, and that a run
-whose own rows fail says so in its exit status. Also that research/simulate_certified.py, the
-certified bound's CPU model, still runs from its place and covers the arg-max.
+"""The benchmark harness (benchmarks/common.py, plot.py, bench_forward.py, bench_grid.py) on the
+CPU: which rows count as accurate, that a speedup only compares rows of one run, that a skipped
+pair replaces an older run's row, that plot.py passes over files that are not benchmark results,
+that a run whose own rows fail says so in its exit status, that the shape grid measures, skips
+and summarizes its points, and that the KernelBench timing checks ModelNew. Also that
+research/simulate_certified.py, the certified bound's CPU model, still runs from its place and
+covers the arg-max.
 
 The harness is not part of the package: these tests load it from the source tree beside them and
 skip where there is none (an sdist's tests).
@@ -271,3 +273,68 @@ def test_the_certified_bound_model_in_research_still_runs():
     spec.loader.exec_module(module)
     result = module.simulate(32, 256, 64, 4, 2.0, "rand", "model", seed=0)
     assert result["max_err_over_bound"] < 1 and result["argmax_always_candidate"], result
+
+
+def test_the_grid_measures_its_points_skips_those_over_the_memory_budget_and_reports(tmp_path):
+    grid = _load("bench_grid")
+    path = tmp_path / "cpu-grid.json"
+    # A budget just below the largest point's estimate: that point alone is skipped.
+    budget_gib = (grid.point_bytes(3, 64, 4, "float32") - 1) / 2**30
+    argv = ["--device", "cpu", "--K", "64", "--N", "2", "4", "--batches", "1", "3", "--dtypes",
+            "float32", "--skip-compile", "--warmup", "1", "--rep", "5", "--out", str(path),
+            "--memory-budget-gib", str(budget_gib)]
+    assert grid.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["O"] // r["k"], r["B"], r["impl"]) for r in rows} == {
+        (n, b, impl) for n in (2, 4) for b in (1, 3) for impl in ("fold_eager", "ours_op")}
+    skipped = [r for r in rows if common.is_skipped(r)]
+    assert {(r["O"] // r["k"], r["B"]) for r in skipped} == {(4, 3)}
+    assert all("memory" in r["error"] for r in skipped)
+    assert all(common.is_accurate(r) for r in rows if not common.is_skipped(r)), rows
+    report = (tmp_path / "cpu-grid.md").read_text()
+    assert "3 of 4 points timed against an accurate peer" in report
+    assert "Not measured, skipped (memory:" in report and "K = 64, N = 4, B = 3" in report
+    # plot.py renders a grid file as a grid, the same report.
+    out = tmp_path / "out"
+    assert _load("plot").main([str(path), "--no-png", "--out-dir", str(out)]) == 0
+    assert (out / "cpu-grid.md").read_text() == report
+
+
+def test_the_grid_summary_names_the_worst_point_and_where_ours_is_not_ahead():
+    plot = _load("plot")
+    shape = dict(K=256, O=64, k=4)  # N = 16
+    rows = [
+        _row("fold_eager", 1, 20.0, **shape), _row("ours_op", 1, 10.0, **shape),
+        _row("fold_eager", 2, 9.0, **shape), _row("ours_op", 2, 10.0, **shape),
+        # A faster peer that is not accurate is nobody's best peer.
+        _row("fold_compile", 2, 1.0, rel_err_fp64=1e-4, **shape),
+    ]
+    summary = "\n".join(plot.grid_summary(rows))
+    assert "2 of 2 points timed" in summary
+    assert "geometric-mean speedup **1.34x**" in summary  # sqrt(2.0 * 0.9)
+    assert "worst: K = 256, N = 16, B = 2: 0.90x (ours 10.0 us, fold_eager 9.0 us)" in summary
+    assert "Ours not ahead: K = 256, N = 16, B = 2: 0.90x" in summary
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["ours-accurate", "ours-wrong"])
+def test_the_kernelbench_timing_runs_both_models_and_checks_ours(broken, tmp_path, monkeypatch):
+    import fused_pool_gelu
+
+    bench = _load("bench_kernelbench")
+    if broken:
+        class OffModelNew(fused_pool_gelu.ModelNew):
+            def forward(self, x):
+                return super().forward(x) * 1.01
+
+        monkeypatch.setattr(fused_pool_gelu, "ModelNew", OffModelNew)
+    path = tmp_path / "cpu-kernelbench.json"
+    argv = ["--device", "cpu", "-B", "4", "-K", "64", "-O", "64", "-k", "4", "--trials", "3",
+            "--warmup", "1", "--rep", "5", "--out", str(path)]
+    assert bench.main(argv) == (1 if broken else 0)
+    data = json.loads(path.read_text())
+    assert {(r["impl"], r["grad"]) for r in data["rows"]} == {
+        (impl, grad) for impl in ("Model", "ModelNew") for grad in ("enabled", "no_grad")}
+    assert all(r["kernelbench_ms"]["num_trials"] == 3 for r in data["rows"])
+    assert data["correct_trials"] == (0 if broken else bench.KB_CORRECT_TRIALS)
+    assert set(data["speedups"]) == {"enabled", "no_grad"}
+    assert '"excessive speedup" flag' in path.with_suffix(".md").read_text()

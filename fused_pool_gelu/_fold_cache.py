@@ -1,0 +1,250 @@
+"""The fold cache of traced graphs: the op ``fused_pool_gelu::cached_model_forward``.
+
+torch.compile, torch.export and torch.jit.trace turn ModelNew into graphs that take the Linear's
+parameters as inputs and cannot read their version counters: a fold in such a graph runs at every
+call (twice the forward's time at the default shape). ModelNew's traced forward calls this op
+instead wherever the trace needs no gradient of the parameters, and in every exported graph. At
+run time the op looks up ``fold(weight, bias, k)`` (and, on CUDA in float32, its prepared copy) in
+a process-wide cache and runs ``forward`` on it; with a gradient needed it runs ``model_forward`` on
+the cached fold, one autograd node whose gradients reach weight and bias.
+
+An entry is keyed by the parameters' storages and pool_kernel_size, and serves while the
+parameters keep the stamp ModelNew's own cache checks (stamp() below): an optimizer step,
+load_state_dict or any in-place change replaces it. It holds weak references to the storages only,
+so it never keeps a freed model's memory past the next miss. Not cached, folded at every call:
+FSDP2's unsharded parameters (written in place with their version counter kept), tensor
+subclasses (fake and functional tensors while tracing, DTensors), and calls under CUDA-graph
+capture, whose replays must follow later parameter updates. After an edit through ``.data`` (which
+bypasses the version counter), ``ModelNew.invalidate_fold()`` drops this cache's entries too.
+
+The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead", and
+"max-autotune") would replay its kernels on the fold cached when they were recorded; inductor runs
+the op outside its graphs instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import _func, ops
+
+_PLAIN_TENSOR_TYPES = (Tensor, nn.Parameter)
+
+# (weight storage, bias storage or None, pool_kernel_size) -> (stamp, storage refs, folded,
+# versions of the folded tensors).
+_ENTRIES: dict = {}
+
+
+def stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
+    """What identifies the values of weight and bias without reading them: a parameter is
+    unchanged while it views the same storage at the same address with the same shape and
+    strides, with the same version counter (every in-place op, optimizer steps and
+    load_state_dict included, bumps it; `.data = ...` does not). The storage is its
+    StorageImpl's address, which the cache entry pins with a weak reference (storage_refs): a
+    storage assigned through `.data` after the cached one was freed cannot take that address,
+    while its data may well reuse the freed data's. One flat tuple, the storages first: this runs
+    at every inference call, and host time counts at small batch. Raises RuntimeError for tensors
+    without a storage (functorch's wrappers)."""
+    if bias is None:
+        return (weight.untyped_storage()._cdata, weight.data_ptr(), weight.shape,
+                weight.stride(), weight._version, weight.dtype, weight.device)
+    return (weight.untyped_storage()._cdata, bias.untyped_storage()._cdata, weight.data_ptr(),
+            weight.shape, weight.stride(), weight._version, weight.dtype, weight.device,
+            bias.data_ptr(), bias.shape, bias.stride(), bias._version, bias.dtype, bias.device)
+
+
+def storage_refs(weight: Tensor, bias: Optional[Tensor], stamped: tuple) -> Optional[tuple]:
+    """Weak references to the storages, held by a cache entry: while they live, no other storage
+    can have the stamped StorageImpl addresses. None where a storage is no longer the stamped one
+    (another thread assigned `.data` since the stamp): then nothing is cached."""
+    refs = (StorageWeakRef(weight.untyped_storage()),)
+    if bias is not None:
+        refs += (StorageWeakRef(bias.untyped_storage()),)
+    return refs if tuple(ref.cdata for ref in refs) == stamped[:len(refs)] else None
+
+
+def fold_once(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
+              prepare: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """fold(weight, bias, k) and, with prepare on CUDA float32, its prepared copy, as plain
+    tensors without autograd history (also under inference_mode: a model cached there must still
+    serve later calls whose input requires grad)."""
+    # Grad mode off after inference_mode(False), which turns it on: the eager ops call their
+    # autograd kernels directly (ops.py), so only grad mode keeps the parameters out of the
+    # entry's history (a graph node would hold them alive).
+    with torch.inference_mode(False), torch.no_grad():
+        pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
+    prepared_weight = (prepared_copy(pooled_weight)
+                       if prepare and reads_prepared(weight) else None)
+    return pooled_weight, pooled_bias, prepared_weight
+
+
+def prepared_copy(pooled_weight: Tensor) -> Tensor:
+    """ops.prepare_weight(pooled_weight), made once where a fold is cached instead of in every
+    large-batch call (half the pooled weight's bytes)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return ops.prepare_weight(pooled_weight)
+
+
+def reads_prepared(weight: Tensor) -> bool:
+    """Whether the forward on this weight's fold reads a prepared copy (ops.prepare_weight): the
+    CUDA float32 one does, at large batch."""
+    return weight.is_cuda and weight.dtype == torch.float32
+
+
+# torch's FSDP2 (fully_shard) module that defines FSDPState; loaded only by programs that use it.
+FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+# id of each unsharded parameter written_in_place_by_fsdp found -> a weak reference to the
+# FSDPParam that owns it (not to the tensor: torch.utils.swap_tensors refuses tensors with weak
+# references, and load_state_dict may swap ModelNew's parameters).
+_FSDP_UNSHARDED_PARAMETERS = {}
+
+
+def written_in_place_by_fsdp(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a parameter that FSDP2 all-gathers into: it rewrites that tensor at
+    every unshard with its version counter preserved (on a caching allocator often at the same
+    address), so a fold cached on it would go stale. FSDP keeps one unsharded parameter object
+    across iterations: found once, it is recognised from then on by its id."""
+    fsdp_state = sys.modules.get(FSDP_STATE_MODULE)
+    if fsdp_state is None:
+        return False
+    known = _FSDP_UNSHARDED_PARAMETERS.get(id(tensor))
+    if known is not None and getattr(known(), "_unsharded_param", None) is tensor:
+        return True
+    from torch.distributed._composable_state import _module_state_mapping
+
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        if not isinstance(state, fsdp_state.FSDPState):
+            continue
+        try:
+            for group in state._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    if getattr(fsdp_param, "_unsharded_param", None) is tensor:
+                        _FSDP_UNSHARDED_PARAMETERS[id(tensor)] = weakref.ref(fsdp_param)
+                        return True
+        except AttributeError:  # FSDP's internals moved: assume it writes, cache nothing
+            return True
+    return False
+
+
+def _cacheable(weight: Tensor, bias: Optional[Tensor]) -> bool:
+    if type(weight) not in _PLAIN_TENSOR_TYPES or (
+            bias is not None and type(bias) not in _PLAIN_TENSOR_TYPES):
+        return False
+    return not (written_in_place_by_fsdp(weight)
+                or (bias is not None and written_in_place_by_fsdp(bias)))
+
+
+def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
+                prepare: bool = True) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(pooled_weight, pooled_bias, prepared_weight or None) from the process-wide cache, made
+    and cached on a miss where the parameters can be (module docstring)."""
+    try:
+        stamped = stamp(weight, bias)
+    except RuntimeError:
+        # No storage to stamp: functorch's wrappers (torch.func.vmap over stacked parameters, an
+        # ensemble through functional_call), new objects at every call anyway. Folded as they
+        # are, inside the transforms.
+        return (*ops.fold(weight, bias, pool_kernel_size), None)
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return fold_once(weight, bias, pool_kernel_size, prepare)
+    key = (stamped[0], stamped[1] if bias is not None else None, pool_kernel_size)
+    entry = _ENTRIES.get(key)
+    folded = None
+    # A hit needs no check of the entry's weak references: they pin the stamped StorageImpl
+    # addresses, so a live storage at that address is the stamped one (and only cacheable
+    # parameters make entries).
+    if entry is not None:
+        entry_stamp, _, cached, versions = entry
+        if entry_stamp == stamped and versions == (cached[0]._version, cached[1]._version):
+            if cached[2] is not None or not (prepare and reads_prepared(weight)):
+                return cached
+            folded = (*cached[:2], prepared_copy(cached[0]))  # folded by a training call
+    if folded is None:
+        folded = fold_once(weight, bias, pool_kernel_size, prepare)
+    if not _cacheable(weight, bias):
+        return folded
+    refs = storage_refs(weight, bias, stamped)
+    if refs is not None:
+        for stale_key in [k for k, (_, r, _, _) in _ENTRIES.items()
+                          if any(ref.expired() for ref in r)]:
+            _ENTRIES.pop(stale_key, None)
+        _ENTRIES[key] = (stamped, refs, folded, (folded[0]._version, folded[1]._version))
+    return folded
+
+
+def forget(weight: Tensor, bias: Optional[Tensor]) -> None:
+    """Drops the entries of these parameters (ModelNew.invalidate_fold)."""
+    try:
+        storages = {weight.untyped_storage()._cdata}
+        if bias is not None:
+            storages.add(bias.untyped_storage()._cdata)
+    except RuntimeError:
+        return
+    for key in [k for k in list(_ENTRIES) if k[0] in storages or k[1] in storages]:
+        _ENTRIES.pop(key, None)
+
+
+def needs_recorded_fold(weight: Tensor) -> bool:
+    """Whether a gradient-taking call must fold in its own graph rather than take a cached fold:
+    under autocast (whose model_forward kernel runs above autograd, so autograd reaches weight
+    and bias only through a fold it records) and inside torch.func transforms (whose wrappers
+    carry the gradient)."""
+    device_type = weight.device.type  # the op has autocast kernels for these two only
+    return ((device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type))
+            or _func.transforms_active())
+
+
+def _cached_model_forward_autograd(x, weight, bias, pool_kernel_size, scale):
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if not needs_grad:
+        # Below autograd as one op: a tracer (AOTAutograd's inference graph) records this node,
+        # not the fold inside it.
+        with torch._C._AutoDispatchBelowAutograd():
+            return cached_model_forward(x, weight, bias, pool_kernel_size, scale)
+    if (needs_recorded_fold(weight)
+            or not all(type(t) in _PLAIN_TENSOR_TYPES for t in (x, weight, bias) if t is not None)):
+        # Also traced for a gradient (a joint graph of AOTAutograd): the fold in the graph.
+        return ops.forward(x, *ops.fold(weight, bias, pool_kernel_size), scale)
+    return ops.model_forward(x, weight, bias, pool_kernel_size, scale,
+                             *cached_fold(weight, bias, pool_kernel_size, prepare=False))
+
+
+def _cached_model_forward_kernel(x, weight, bias, pool_kernel_size, scale):
+    pooled_weight, pooled_bias, prepared_weight = cached_fold(weight, bias, pool_kernel_size)
+    return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
+
+
+def _cached_model_forward_fake(x, weight, bias, pool_kernel_size, scale):
+    return torch.ops.fused_pool_gelu.model_forward(x, weight, bias, pool_kernel_size, scale)
+
+
+_lib = torch.library.Library("fused_pool_gelu", "FRAGMENT")
+# Defined here, not with the other schemas in csrc/registration.cpp: its kernels are these Python
+# functions, and its tag is newer than some torch versions the package supports.
+_lib.define(
+    "cached_model_forward(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, "
+    "float scale) -> Tensor",
+    tags=(torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else (),
+)
+# Autograd: model_forward on the cached fold when a gradient is needed, else below autograd.
+# CompositeExplicitAutograd: forward on the cached fold. Fake: model_forward's checks and output.
+_lib.impl("cached_model_forward", _cached_model_forward_autograd, "Autograd")
+_lib.impl("cached_model_forward", _cached_model_forward_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("fused_pool_gelu::cached_model_forward", _cached_model_forward_fake,
+                            lib=_lib)
+
+
+def cached_model_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                         pool_kernel_size: int, scale: float) -> Tensor:
+    """``model_forward(x, weight, bias, k, scale)`` on a fold cached across calls (module
+    docstring): what ModelNew's traced graphs call."""
+    return torch.ops.fused_pool_gelu.cached_model_forward(x, weight, bias, pool_kernel_size, scale)

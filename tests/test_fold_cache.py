@@ -1,0 +1,276 @@
+"""The fold cache (fused_pool_gelu/_fold_cache.py): the paths that run ModelNew on unchanged
+parameters fold once per parameter update — grad-enabled eager calls, torch.compile and
+torch.export inference, jit.trace — and none of them serves a stale fold.
+
+Folds are counted where they run, as fused_pool_gelu::fold calls seen by the profiler, so that a
+fold inside a compiled graph counts as much as one made by the cache."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fused_pool_gelu import Model, ModelNew, ops
+from fused_pool_gelu import _fold_cache
+
+IN_FEATURES, OUT_FEATURES, POOL, SCALE = 40, 30, 4, 2.0
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _folds_run(fn, calls=3):
+    """(fn's last result, fused_pool_gelu::fold ops executed over `calls` calls of fn)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            result = fn()
+    folds = sum(1 for event in prof.events() if event.name == "fused_pool_gelu::fold")
+    return result, folds
+
+
+def _models(device, seed=0):
+    torch.manual_seed(seed)
+    reference = Model(IN_FEATURES, OUT_FEATURES, POOL, SCALE).to(device)
+    return reference, ModelNew.from_model(reference)
+
+
+def _x(device, batch=10, requires_grad=False):
+    return torch.rand(batch, IN_FEATURES, device=device).requires_grad_(requires_grad)
+
+
+def _unfused_fold_forward(model, x):
+    """The fold recorded in the graph at every call (what the cache must equal bit for bit)."""
+    linear = model.matmul
+    return ops.forward(x, *ops.fold(linear.weight, linear.bias, POOL), SCALE)
+
+
+def _assert_matches_float64(out, reference, x):
+    expected = copy.deepcopy(reference).double()(x.double())
+    tol = 1e-5  # float32 against the float64 reference, relative to the outputs' size
+    torch.testing.assert_close(out.double(), expected, atol=tol * float(expected.abs().max()),
+                               rtol=tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# Grad-enabled eager calls
+
+
+def test_gradient_accumulation_folds_once_per_update_with_the_same_gradient_bits(device):
+    _, model = _models(device)
+    twin = copy.deepcopy(model)
+    xs = [_x(device, requires_grad=True) for _ in range(3)]
+    grad_outs = [torch.randn(10, device=device) for _ in range(3)]
+
+    def accumulate(fn, module):
+        module.zero_grad()
+        grad_xs = []
+        for x, grad_out in zip(xs, grad_outs):
+            x = x.detach().clone().requires_grad_(True)
+            fn(module, x).backward(grad_out)
+            grad_xs.append(x.grad)
+        return [p.grad.clone() for p in module.parameters()], grad_xs
+
+    (grads, grad_xs), folds = _folds_run(lambda: accumulate(lambda m, x: m(x), model), calls=1)
+    assert folds == 1
+    expected_grads, expected_grad_xs = accumulate(_unfused_fold_forward, twin)
+    for got, expected in zip(grads + grad_xs, expected_grads + expected_grad_xs):
+        assert torch.equal(got, expected)
+
+    # An optimizer step changes the parameters: the next forward folds again, once.
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.optim.SGD(twin.parameters(), lr=0.1).step()
+    x = _x(device)
+    out, folds = _folds_run(lambda: model(x))
+    assert folds == 1
+    assert torch.equal(out, _unfused_fold_forward(twin, x))
+
+
+def test_evaluation_with_grad_enabled_reuses_the_training_fold(device):
+    _, model = _models(device)
+    model(_x(device)).sum().backward()
+    out, folds = _folds_run(lambda: model(_x(device)))
+    assert folds == 0 and out.requires_grad
+
+
+def test_the_cached_fold_has_no_autograd_history(device):
+    # Folded during a training call (grad mode on, parameters requiring grad): a graph node in the
+    # entry would hold the parameters alive and send gradients nowhere.
+    _, model = _models(device)
+    model(_x(device)).sum().backward()
+    for folded in model.folded_parameters():
+        assert folded.grad_fn is None and not folded.requires_grad
+
+
+def test_model_forward_checks_a_given_fold(device):
+    x = _x(device)
+    weight = torch.randn(OUT_FEATURES, IN_FEATURES, device=device)
+    bias = torch.randn(OUT_FEATURES, device=device)
+    pooled_weight, pooled_bias = ops.fold(weight, bias, POOL)
+    out = ops.model_forward(x, weight, bias, POOL, SCALE, pooled_weight, pooled_bias)
+    assert torch.equal(out, ops.forward(x, pooled_weight, pooled_bias, SCALE))
+    cases = [
+        ((pooled_weight, None), "pooled_weight and pooled_bias must be given together"),
+        ((None, pooled_bias), "got only pooled_bias"),
+        ((pooled_weight[1:], pooled_bias), r"pooled_weight must be fold's .* = \[7, 40\]"),
+        ((pooled_weight, pooled_bias[1:]), r"pooled_bias must be fold's .* = \[7\]"),
+        ((pooled_weight.double(), pooled_bias), "pooled_weight"),
+        ((None, None, torch.zeros(8, dtype=torch.uint8, device=device)),
+         "prepared_weight without pooled_weight"),
+    ]
+    for given, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.model_forward(x, weight, bias, POOL, SCALE, *given)
+    with pytest.raises(RuntimeError, match="pool_kernel_size must be >= 1"):
+        ops.model_forward(x, weight, bias, 0, SCALE, pooled_weight, pooled_bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Traced inference: torch.compile, torch.export, jit.trace
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_compiled_inference_folds_once_and_follows_updates(device, backend, grad_mode):
+    reference, model = _models(device)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    context = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    x = _x(device)
+    with context():
+        compiled(x)  # compiles
+        out, folds = _folds_run(lambda: compiled(x))
+        assert folds == 0
+        _assert_matches_float64(out, reference, x)
+        # An in-place update (version counter) is seen by the next call, folded once.
+        model.matmul.weight.mul_(0.5)
+        reference.matmul.weight.mul_(0.5)
+        out, folds = _folds_run(lambda: compiled(x))
+        assert folds == 1
+        _assert_matches_float64(out, reference, x)
+
+
+def test_compiled_inference_with_freezing_folds_once(device):
+    reference, model = _models(device)
+    compiled = torch.compile(model, fullgraph=True)
+    x = _x(device)
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        compiled(x)
+        out, folds = _folds_run(lambda: compiled(x))
+    assert folds == 0
+    _assert_matches_float64(out, reference, x)
+
+
+def test_compiled_training_keeps_the_fold_in_the_graph_and_its_gradients(device):
+    _, model = _models(device)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = _x(device, requires_grad=True)
+    compiled(x)  # compiles
+    (out, folds) = _folds_run(lambda: compiled(x), calls=2)
+    assert folds == 2  # one per call: a training graph folds in the graph
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x.detach()).sum().backward()
+    for got, expected in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("export_grad_mode", ["no_grad", "grad"])
+def test_exported_model_new_folds_once_and_follows_updates(device, export_grad_mode):
+    reference, model = _models(device)
+    x = _x(device)
+    if export_grad_mode == "no_grad":
+        with torch.no_grad():
+            exported = torch.export.export(model, (x,))
+    else:
+        exported = torch.export.export(model, (x,))
+    module = exported.module()
+    with torch.no_grad():
+        module(x)
+        out, folds = _folds_run(lambda: module(x))
+        assert folds == 0
+        _assert_matches_float64(out, reference, x)
+        module.get_parameter("matmul.weight").mul_(0.5)
+        reference.matmul.weight.mul_(0.5)
+        out, folds = _folds_run(lambda: module(x))
+        assert folds == 1
+        _assert_matches_float64(out, reference, x)
+
+
+def test_exported_model_new_trains_with_model_new_s_gradients(device):
+    _, model = _models(device)
+    x = _x(device)
+    module = torch.export.export(model, (x,)).module()
+    grad_out = torch.randn(10, device=device)
+    module(x).backward(grad_out)
+    model(x).backward(grad_out)
+    for name, parameter in model.named_parameters():
+        assert torch.equal(module.get_parameter(name).grad, parameter.grad), name
+
+
+def test_jit_traced_model_new_follows_updates_without_refolding_per_call(device):
+    reference, model = _models(device)
+    x = _x(device)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (x,))
+        out, folds = _folds_run(lambda: traced(x))
+        assert folds <= 1
+        model.matmul.weight.mul_(0.5)
+        reference.matmul.weight.mul_(0.5)
+        out, folds = _folds_run(lambda: traced(x))
+        assert folds == 1
+        _assert_matches_float64(out, reference, x)
+
+
+def test_aoti_package_of_an_exported_model_new_folds_once(device, tmp_path):
+    reference, model = _models(device)
+    x = _x(device)
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,))
+    path = torch._inductor.aoti_compile_and_package(
+        exported, package_path=str(tmp_path / "model_new.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+    with torch.no_grad():
+        runner(x)
+        out, folds = _folds_run(lambda: runner(x))
+    assert folds == 0
+    _assert_matches_float64(out, reference, x)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache itself
+
+
+def test_an_entry_dies_with_its_parameters():
+    _, model = _models("cpu")
+    with torch.no_grad():
+        model(_x("cpu"))
+    storage = model.matmul.weight.untyped_storage()._cdata
+    assert any(key[0] == storage for key in _fold_cache._ENTRIES)
+    del model
+    gc.collect()
+    _, other = _models("cpu", seed=1)
+    with torch.no_grad():
+        other(_x("cpu"))  # a miss prunes the entries of freed storages
+    assert not any(key[0] == storage for key in _fold_cache._ENTRIES)
+    assert all(not ref.expired() for _, refs, _, _ in _fold_cache._ENTRIES.values()
+               for ref in refs)
+
+
+def test_a_data_edit_is_served_stale_until_invalidate_fold(device):
+    reference, model = _models(device)
+    x = _x(device)
+    with torch.no_grad():
+        model(x)
+        model.matmul.weight.data.mul_(0.5)  # bypasses the version counter, as documented
+        reference.matmul.weight.data.mul_(0.5)
+        model.invalidate_fold()
+        _assert_matches_float64(model(x), reference, x)
+
