@@ -105,6 +105,19 @@ inline bool is_floating_point(ScalarType s) {
   return s == kFloat || s == kDouble || s == kHalf || s == kBFloat16;
 }
 
+// torch::stable::parallel_for, except that where ATen's parallel_for would run f inline (one grain
+// of work, or one thread) f runs here, inline in its caller: through the shim's function pointer
+// the compiler cannot optimize f's loops with its caller's knowledge (10-15% slower CPU kernels).
+template <class F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain_size, const F& f) {
+  if (begin >= end) return;
+  if (end - begin <= grain_size || torch::stable::get_num_threads() == 1) {
+    f(begin, end);
+    return;
+  }
+  torch::stable::parallel_for(begin, end, grain_size, f);
+}
+
 // An ATen op through the stable dispatcher: `stack` holds the arguments, then the returns.
 template <size_t N>
 void call_aten(const char* name, const char* overload, std::array<StableIValue, N>& stack) {

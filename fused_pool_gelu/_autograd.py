@@ -17,6 +17,8 @@ forward_with_argmax in one node whose backward is model_backward.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import _C
 from torch.autograd import forward_ad
@@ -204,6 +206,14 @@ def _model_backward_autograd(grad_out, x, pooled_weight, argmax, preactivation, 
         return _ops.model_backward(*args, *rest)
 
 
+# The overloads themselves: a call through the packet (torch.ops.fused_pool_gelu.fold) adds a
+# Python frame, host time on every training step at small batch.
+_fold = _ops.fold.default
+_forward_with_argmax = _ops.forward_with_argmax.default
+_model_backward = _ops.model_backward.default
+_forward_backward = _ops.forward_backward.default
+
+
 class _ModelForward(torch.autograd.Function):
     """fold and forward_with_argmax as one node, or forward_with_argmax alone on a given fold; its
     backward is model_backward (forward_backward then fold_backward, the same sums in the same
@@ -216,37 +226,36 @@ class _ModelForward(torch.autograd.Function):
                 prepared_weight):
         with _below_autograd():
             if pooled_weight is None:
-                pooled_weight, pooled_bias = _ops.fold(weight, bias, pool_kernel_size)
-            out, argmax, preactivation = _ops.forward_with_argmax(
+                pooled_weight, pooled_bias = _fold(weight, bias, pool_kernel_size)
+            out, argmax, preactivation = _forward_with_argmax(
                 x, pooled_weight, pooled_bias, scale, prepared_weight
             )
         ctx.save_for_backward(x, pooled_weight, argmax, preactivation)
-        ctx.out_features = weight.shape[0]
-        ctx.pool_kernel_size = pool_kernel_size
-        ctx.scale = scale
-        ctx.has_bias = bias is not None
+        ctx.shape = (weight.shape[0], pool_kernel_size, scale, bias is not None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, pooled_weight, argmax, preactivation = ctx.saved_tensors
+        out_features, pool_kernel_size, scale, has_bias = ctx.shape
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        needs_bias = needs_bias and ctx.has_bias
+        needs_bias = needs_bias and has_bias
+        # With create_graph through the ops' autograd kernels, which raise a clear error on a
+        # gradient of these gradients; otherwise straight to the device kernels.
+        below = contextlib.nullcontext() if _C.is_grad_enabled() else _below_autograd()
         # No gradient for the preactivation output: the separate ops' autograd passes zeros there,
         # which costs an allocation and a fill per step for nothing but the sign of a zero grad_x.
-        grad_weight = grad_bias = None
-        if needs_weight or needs_bias:
-            grad_x, grad_weight, grad_bias = _call_in_backward(
-                _ops.model_backward, grad_out, x, pooled_weight, argmax, preactivation, ctx.scale,
-                ctx.out_features, ctx.pool_kernel_size,
-            )
-        else:
-            grad_x = _call_in_backward(
-                _ops.forward_backward, grad_out, None, x, pooled_weight, argmax, preactivation,
-                ctx.scale,
-            )[0]
-        return (grad_x if needs_x else None, grad_weight if needs_weight else None,
-                grad_bias if needs_bias else None, None, None, None, None, None)
+        with below:
+            if needs_weight or needs_bias:
+                grad_x, grad_weight, grad_bias = _model_backward(
+                    grad_out, x, pooled_weight, argmax, preactivation, scale, out_features,
+                    pool_kernel_size,
+                )
+                return (grad_x if needs_x else None, grad_weight if needs_weight else None,
+                        grad_bias if needs_bias else None, None, None, None, None, None)
+            grad_x = _forward_backward(grad_out, None, x, pooled_weight, argmax, preactivation,
+                                       scale)[0]
+        return grad_x, None, None, None, None, None, None, None
 
 
 def model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
@@ -262,6 +271,18 @@ def model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weig
     with _below_autograd():
         return _ops.model_forward(x, weight, bias, pool_kernel_size, scale, pooled_weight,
                                   pooled_bias, prepared_weight)
+
+
+def model_forward_on_cached_fold(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                                 pooled_bias):
+    """ModelNew's eager training call: model_forward's autograd node on the fold that ModelNew's
+    cache made of this weight, bias and pool_kernel_size (nothing of it to check), where ModelNew
+    found a gradient needed and autocast and torch.func transforms off. The checks and routing of
+    ops.model_forward and model_forward_autograd that this skips are host time on every step."""
+    check_model_forward_inputs(x, weight)
+    _check_no_tangents("model_forward", ("x", "weight", "bias"), (x, weight, bias))
+    return _ModelForward.apply(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                               pooled_bias, None)
 
 
 def _prepare_weight_autograd(weight):

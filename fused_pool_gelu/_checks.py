@@ -240,28 +240,35 @@ def check_model_forward_inputs(x, weight):
 
 def check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
                                prepared_weight):
-    # Given fold (not None): its pairing, then fold's checks and the fold's shape, device and
-    # dtype against the weight. x against the pooled weight is forward_with_argmax's to check.
-    if (pooled_weight is None) != (pooled_bias is None):
-        given = "pooled_weight" if pooled_weight is not None else "pooled_bias"
-        check(False, "model_forward: pooled_weight and pooled_bias must be given together "
-              f"(fold's two outputs), got only {given}")
-    if pooled_weight is None:
+    # A given fold (not None): its pairing, fold's checks, and the fold's shape, device and dtype
+    # against the weight (check_model_forward_inputs ran: weight is 2-D); x against the pooled
+    # weight is forward_with_argmax's to check. Conditions first, messages made only on failure:
+    # model_forward's autograd kernel runs this on every training step with a cached fold.
+    if pooled_weight is None or pooled_bias is None:
+        if pooled_weight is not None or pooled_bias is not None:
+            given = "pooled_weight" if pooled_weight is not None else "pooled_bias"
+            check(False, "model_forward: pooled_weight and pooled_bias must be given together "
+                  f"(fold's two outputs), got only {given}")
         if prepared_weight is not None:
             check(False, "model_forward: prepared_weight is made from pooled_weight, which must "
                   "be given with it, got prepared_weight without pooled_weight")
         return
-    check_fold_inputs(weight, bias, pool_kernel_size)
-    rows = weight.shape[0] // pool_kernel_size
-    if pooled_weight.dim() != 2 or pooled_weight.shape[0] != rows or (
-            pooled_weight.shape[1] != weight.shape[1]):
+    out_features, in_features = weight.shape
+    dtype, device = weight.dtype, weight.device
+    if not 1 <= pool_kernel_size <= out_features or bias is not None and (
+            bias.shape != (out_features,) or bias.dtype != dtype or bias.device != device):
+        check_fold_inputs(weight, bias, pool_kernel_size)
+    rows = out_features // pool_kernel_size
+    if pooled_weight.shape != (rows, in_features):
         check(False, "model_forward: pooled_weight must be fold's [out_features // "
-              f"pool_kernel_size, in_features] = [{rows}, {weight.shape[1]}], got shape "
+              f"pool_kernel_size, in_features] = [{rows}, {in_features}], got shape "
               f"{list(pooled_weight.shape)}")
-    if pooled_bias.dim() != 1 or pooled_bias.shape[0] != rows:
+    if pooled_bias.shape != (rows,):
         check(False, "model_forward: pooled_bias must be fold's [out_features // "
               f"pool_kernel_size] = [{rows}], got shape {list(pooled_bias.shape)}")
-    check_same_device("model_forward", "pooled_weight", pooled_weight, "weight", weight)
-    check_same_dtype("model_forward", "pooled_weight", pooled_weight, "weight", weight)
-    check_same_device("model_forward", "pooled_bias", pooled_bias, "weight", weight)
-    check_same_dtype("model_forward", "pooled_bias", pooled_bias, "weight", weight)
+    if (pooled_weight.device != device or pooled_weight.dtype != dtype
+            or pooled_bias.device != device or pooled_bias.dtype != dtype):
+        check_same_device("model_forward", "pooled_weight", pooled_weight, "weight", weight)
+        check_same_dtype("model_forward", "pooled_weight", pooled_weight, "weight", weight)
+        check_same_device("model_forward", "pooled_bias", pooled_bias, "weight", weight)
+        check_same_dtype("model_forward", "pooled_bias", pooled_bias, "weight", weight)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
-from . import _fold_cache, ops
+from . import _autograd, _fold_cache, ops
 
 __all__ = ["Model", "ModelNew"]
 
@@ -370,16 +370,17 @@ class ModelNew(nn.Module):
             ):
                 # Training, eager or captured in a CUDA graph: the fold must be in the autograd
                 # graph for weight and bias to get gradients; model_forward records fold and
-                # forward as one C++ node (less host time than the two ops' Python autograd nodes,
-                # same bits), whose backward is model_backward. Its forward takes the cached fold
-                # where there is one (gradient accumulation, evaluation with grad enabled: one
-                # fold per parameter update); a captured graph folds at every replay, and autocast
-                # and torch.func transforms record the fold (_fold_cache.needs_recorded_fold).
+                # forward as one autograd node (less host time than the two ops' nodes, same
+                # bits), whose backward is model_backward. Its forward takes the cached fold
+                # (gradient accumulation, evaluation with grad enabled: one fold per parameter
+                # update); a captured graph folds at every replay, and autocast and torch.func
+                # transforms record the fold (_fold_cache.needs_recorded_fold).
                 if self._capturing() or _fold_cache.needs_recorded_fold(weight):
                     return ops.model_forward(x, weight, bias, pool_kernel_size, scale)
-                return ops.model_forward(
-                    x, weight, bias, pool_kernel_size, scale,
-                    *self._folded(weight, bias, pool_kernel_size, prepare=False),
+                pooled_weight, pooled_bias, _ = self._folded(weight, bias, pool_kernel_size,
+                                                             prepare=False)
+                return _autograd.model_forward_on_cached_fold(
+                    x, weight, bias, pool_kernel_size, scale, pooled_weight, pooled_bias
                 )
             if self._capturing():
                 pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
