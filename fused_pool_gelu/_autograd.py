@@ -12,7 +12,8 @@ dispatcher's round trip into Python, host time that counts at small batch.
 fold and fold_backward are adjoint linear maps, so each is the other's derivative (double backward
 of the fold comes for free). forward_with_argmax's derivative is the arg-max backward (no dense
 GEMM); forward goes through forward_with_argmax when a gradient is needed. model_forward is fold and
-forward_with_argmax in one node whose backward is model_backward.
+forward_with_argmax in one node (forward_with_argmax alone on a fold the caller gives) whose backward
+is model_backward.
 """
 
 from __future__ import annotations
