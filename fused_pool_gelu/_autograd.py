@@ -29,6 +29,13 @@ from ._checks import check_model_forward_folded, check_model_forward_inputs
 _ops = torch.ops.fused_pool_gelu
 _lib = torch.library.Library("fused_pool_gelu", "IMPL")
 _below_autograd = _C._AutoDispatchBelowADInplaceOrView
+# The overloads themselves: a call through the packet (torch.ops.fused_pool_gelu.fold) adds a
+# Python frame, host time on every call at small batch.
+_fold = _ops.fold.default
+_forward = _ops.forward.default
+_forward_with_argmax = _ops.forward_with_argmax.default
+_model_backward = _ops.model_backward.default
+_forward_backward = _ops.forward_backward.default
 
 FORWARD_DOUBLE_BACKWARD_ERROR = (
     "fused_pool_gelu.forward_backward: double backward (gradients of gradients of forward) is not "
@@ -75,7 +82,7 @@ class _Fold(torch.autograd.Function):
         ctx.pool_kernel_size = pool_kernel_size
         ctx.has_bias = bias is not None
         with _below_autograd():
-            return _ops.fold(weight, bias, pool_kernel_size)
+            return _fold(weight, bias, pool_kernel_size)
 
     @staticmethod
     def backward(ctx, grad_pooled_weight, grad_pooled_bias):
@@ -91,7 +98,7 @@ def fold_autograd(weight, bias, pool_kernel_size):
     if _needs_grad(weight, bias):
         return _Fold.apply(weight, bias, pool_kernel_size)
     with _below_autograd():
-        return _ops.fold(weight, bias, pool_kernel_size)
+        return _fold(weight, bias, pool_kernel_size)
 
 
 class _FoldBackward(torch.autograd.Function):
@@ -122,7 +129,7 @@ class _ForwardWithArgmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scale, prepared_weight):
         with _below_autograd():
-            out, argmax, preactivation = _ops.forward_with_argmax(
+            out, argmax, preactivation = _forward_with_argmax(
                 x, weight, bias, scale, prepared_weight
             )
         ctx.save_for_backward(x, weight, argmax, preactivation)
@@ -148,7 +155,7 @@ def forward_with_argmax_autograd(x, weight, bias, scale, prepared_weight=None):
     if _needs_grad(x, weight, bias):
         return _ForwardWithArgmax.apply(x, weight, bias, scale, prepared_weight)
     with _below_autograd():
-        return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+        return _forward_with_argmax(x, weight, bias, scale, prepared_weight)
 
 
 def forward_autograd(x, weight, bias, scale, prepared_weight=None):
@@ -156,7 +163,7 @@ def forward_autograd(x, weight, bias, scale, prepared_weight=None):
     if _needs_grad(x, weight, bias):
         return _ForwardWithArgmax.apply(x, weight, bias, scale, prepared_weight)[0]
     with _below_autograd():
-        return _ops.forward(x, weight, bias, scale, prepared_weight)
+        return _forward(x, weight, bias, scale, prepared_weight)
 
 
 class _NoDerivative(torch.autograd.Function):
@@ -205,14 +212,6 @@ def _model_backward_autograd(grad_out, x, pooled_weight, argmax, preactivation, 
         return _NoDerivative.apply(_ops.model_backward, MODEL_DOUBLE_BACKWARD_ERROR, *args, *rest)
     with _below_autograd():
         return _ops.model_backward(*args, *rest)
-
-
-# The overloads themselves: a call through the packet (torch.ops.fused_pool_gelu.fold) adds a
-# Python frame, host time on every training step at small batch.
-_fold = _ops.fold.default
-_forward_with_argmax = _ops.forward_with_argmax.default
-_model_backward = _ops.model_backward.default
-_forward_backward = _ops.forward_backward.default
 
 
 class _ModelForward(torch.autograd.Function):
