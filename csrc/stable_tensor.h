@@ -151,13 +151,15 @@ inline Tensor bmm(const Tensor& a, const Tensor& b, ScalarType out_dtype) {
   return to<Tensor>(stack[0]);
 }
 
-// A view of t's storage (from t's offset) with `sizes` and `strides`: the C shim's own call, as
-// for the allocations below.
-inline Tensor as_strided(const Tensor& t, std::vector<int64_t> sizes,
-                         std::vector<int64_t> strides) {
+// A view of t's storage (from t's offset) with `sizes` and `strides`, of any dimension: the C
+// shim's own call, as for the allocations below. Not aoti_torch_as_strided, which reads as many
+// sizes as t has dimensions (a 3-D view of a 2-D tensor comes back 2-D).
+inline Tensor as_strided(const Tensor& t, const std::vector<int64_t>& sizes,
+                         const std::vector<int64_t>& strides) {
   AtenTensorHandle handle = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(
-      aoti_torch_as_strided(t.get(), sizes.data(), strides.data(), &handle));
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(
+      t.get(), static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
+      /*storage_offset=*/0, &handle));
   return Tensor(handle);
 }
 
