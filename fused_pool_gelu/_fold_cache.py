@@ -201,16 +201,21 @@ def needs_recorded_fold(weight: Tensor) -> bool:
 
 
 def _cached_model_forward_autograd(x, weight, bias, pool_kernel_size, scale):
+    plain = (type(x) in _PLAIN_TENSOR_TYPES and type(weight) in _PLAIN_TENSOR_TYPES
+             and (bias is None or type(bias) in _PLAIN_TENSOR_TYPES)
+             and torch._C._get_tracing_state() is None)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     if not needs_grad:
-        # Below autograd as one op: a tracer (AOTAutograd's inference graph) records this node,
-        # not the fold inside it.
+        if plain:  # a call at run time: straight to the kernel below
+            return _cached_model_forward_kernel(x, weight, bias, pool_kernel_size, scale)
+        # Traced (fake or functional tensors, jit.trace): below autograd as one op, so that the
+        # tracer records this node, not the cached fold inside it.
         with torch._C._AutoDispatchBelowAutograd():
-            return cached_model_forward(x, weight, bias, pool_kernel_size, scale)
-    if (needs_recorded_fold(weight)
-            or not all(type(t) in _PLAIN_TENSOR_TYPES for t in (x, weight, bias) if t is not None)):
-        # Also traced for a gradient (a joint graph of AOTAutograd): the fold in the graph.
+            return _CACHED_MODEL_FORWARD(x, weight, bias, pool_kernel_size, scale)
+    if not plain or needs_recorded_fold(weight):
+        # Traced for a gradient (a joint graph of AOTAutograd), autocast, torch.func: the fold
+        # recorded with the forward.
         return ops.forward(x, *ops.fold(weight, bias, pool_kernel_size), scale)
     return ops.model_forward(x, weight, bias, pool_kernel_size, scale,
                              *cached_fold(weight, bias, pool_kernel_size, prepare=False))
@@ -218,7 +223,7 @@ def _cached_model_forward_autograd(x, weight, bias, pool_kernel_size, scale):
 
 def _cached_model_forward_kernel(x, weight, bias, pool_kernel_size, scale):
     pooled_weight, pooled_bias, prepared_weight = cached_fold(weight, bias, pool_kernel_size)
-    return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
+    return _FORWARD(x, pooled_weight, pooled_bias, scale, prepared_weight)
 
 
 def _cached_model_forward_fake(x, weight, bias, pool_kernel_size, scale):
@@ -241,8 +246,13 @@ torch.library.register_fake("fused_pool_gelu::cached_model_forward", _cached_mod
                             lib=_lib)
 
 
+_CACHED_MODEL_FORWARD = torch.ops.fused_pool_gelu.cached_model_forward.default
+# The C++ op (its kernels check the inputs): the public wrapper's checks are for Python callers.
+_FORWARD = torch.ops.fused_pool_gelu.forward.default
+
+
 def cached_model_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                          pool_kernel_size: int, scale: float) -> Tensor:
     """``model_forward(x, weight, bias, k, scale)`` on a fold cached across calls (module
     docstring): what ModelNew's traced graphs call."""
-    return torch.ops.fused_pool_gelu.cached_model_forward(x, weight, bias, pool_kernel_size, scale)
+    return _CACHED_MODEL_FORWARD(x, weight, bias, pool_kernel_size, scale)
