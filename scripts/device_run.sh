@@ -45,7 +45,7 @@ for stage in "$@"; do
   case $stage in
     build)
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-      run_stage build "$ROOT" env MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST="8.0;9.0a" \
+      run_stage build "$ROOT" env MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0a}" \
         FUSED_POOL_GELU_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -v . || break
       ;;
     test)
