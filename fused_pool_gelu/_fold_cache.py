@@ -171,7 +171,8 @@ def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
         return folded
     refs = storage_refs(weight, bias, stamped)
     if refs is not None:
-        for stale_key in [k for k, (_, r, _, _) in _ENTRIES.items()
+        # A snapshot (one C-level copy): other threads may add entries meanwhile.
+        for stale_key in [k for k, (_, r, _, _) in list(_ENTRIES.items())
                           if any(ref.expired() for ref in r)]:
             _ENTRIES.pop(stale_key, None)
         _ENTRIES[key] = (stamped, refs, folded, (folded[0]._version, folded[1]._version))
