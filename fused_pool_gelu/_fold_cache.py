@@ -1,21 +1,22 @@
-"""The fold cache of traced graphs: the op ``fused_pool_gelu::cached_model_forward``.
+"""ModelNew's fold cache, and the op that reads it in traced graphs (cached_model_forward).
 
-torch.compile, torch.export and torch.jit.trace turn ModelNew into graphs that take the Linear's
-parameters as inputs and cannot read their version counters: a fold in such a graph runs at every
-call (twice the forward's time at the default shape). ModelNew's traced forward calls this op
-instead wherever the trace needs no gradient of the parameters, and in every exported graph. At
-run time the op looks up ``fold(weight, bias, k)`` (and, on CUDA in float32, its prepared copy) in
-a process-wide cache and runs ``forward`` on it; with a gradient needed it runs ``model_forward`` on
-the cached fold, one autograd node whose gradients reach weight and bias.
+``fold(weight, bias, k)`` (and, on CUDA in float32, its prepared copy) is made once per parameter
+update and kept in one process-wide cache. Eager ModelNew reads it directly: inference calls run
+``forward`` on it, gradient-taking ones hand it to ``model_forward``, whose backward still sends the
+gradients to weight and bias. torch.compile, torch.export and torch.jit.trace turn ModelNew into
+graphs that take the parameters as inputs and cannot read their version counters, where a fold
+would run at every call (twice the forward's time at the default shape): ModelNew's traced forward
+calls the op ``fused_pool_gelu::cached_model_forward`` instead wherever the trace needs no gradient
+of the parameters, and in every exported graph; the op reads the cache at run time.
 
 An entry is keyed by the parameters' storages and pool_kernel_size, and serves while the
-parameters keep the stamp ModelNew's own cache checks (stamp() below): an optimizer step,
-load_state_dict or any in-place change replaces it. It holds weak references to the storages only,
-so it never keeps a freed model's memory past the next miss. Not cached, folded at every call:
-FSDP2's unsharded parameters (written in place with their version counter kept), tensor
-subclasses (fake and functional tensors while tracing, DTensors), and calls under CUDA-graph
-capture, whose replays must follow later parameter updates. After an edit through ``.data`` (which
-bypasses the version counter), ``ModelNew.invalidate_fold()`` drops this cache's entries too.
+parameters keep their stamp (stamp() below): an optimizer step, load_state_dict, ``.to()`` or any
+in-place change replaces it. It holds weak references to the storages only, so it never keeps a
+freed model's memory past the next miss. Not cached, folded at every call: FSDP2's unsharded
+parameters (written in place with their version counter kept), tensor subclasses (fake and
+functional tensors while tracing, DTensors), and calls under CUDA-graph capture, whose replays must
+follow later parameter updates. After an edit through ``.data`` (which bypasses the version
+counter), ``ModelNew.invalidate_fold()`` drops the parameters' entries.
 
 The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead", and
 "max-autotune") would replay its kernels on the fold cached when they were recorded; inductor runs
