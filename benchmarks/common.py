@@ -360,6 +360,18 @@ def device_name(device) -> str:
     return "cpu"
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo), or platform's word for it."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def default_results_path(device, suffix: str = "") -> Path:
     """benchmarks/results/<gpu><suffix>.json (suffix: GRID_SUFFIX for bench_grid.py's file)."""
     return RESULTS_DIR / f"{slug(device_name(device))}{suffix}.json"
@@ -787,6 +799,8 @@ def run_benchmark(
         "git": git_revision(),
         "argv": sys.argv[1:],
         "accurate_rel_err": ACCURATE_REL_ERR,
+        "cpu": cpu_model(),
+        "cpu_threads": torch.get_num_threads(),
     }
     try:
         import triton

@@ -1,21 +1,22 @@
-"""The fold cache of traced graphs: the op ``fused_pool_gelu::cached_model_forward``.
+"""ModelNew's fold cache, and the op that reads it in traced graphs (cached_model_forward).
 
-torch.compile, torch.export and torch.jit.trace turn ModelNew into graphs that take the Linear's
-parameters as inputs and cannot read their version counters: a fold in such a graph runs at every
-call (twice the forward's time at the default shape). ModelNew's traced forward calls this op
-instead wherever the trace needs no gradient of the parameters, and in every exported graph. At
-run time the op looks up ``fold(weight, bias, k)`` (and, on CUDA in float32, its prepared copy) in
-a process-wide cache and runs ``forward`` on it; with a gradient needed it runs ``model_forward`` on
-the cached fold, one autograd node whose gradients reach weight and bias.
+``fold(weight, bias, k)`` (and, on CUDA in float32, its prepared copy) is made once per parameter
+update and kept in one process-wide cache. Eager ModelNew reads it directly: inference calls run
+``forward`` on it, gradient-taking ones hand it to ``model_forward``, whose backward still sends the
+gradients to weight and bias. torch.compile, torch.export and torch.jit.trace turn ModelNew into
+graphs that take the parameters as inputs and cannot read their version counters, where a fold
+would run at every call (twice the forward's time at the default shape): ModelNew's traced forward
+calls the op ``fused_pool_gelu::cached_model_forward`` instead wherever the trace needs no gradient
+of the parameters, and in every exported graph; the op reads the cache at run time.
 
 An entry is keyed by the parameters' storages and pool_kernel_size, and serves while the
-parameters keep the stamp ModelNew's own cache checks (stamp() below): an optimizer step,
-load_state_dict or any in-place change replaces it. It holds weak references to the storages only,
-so it never keeps a freed model's memory past the next miss. Not cached, folded at every call:
-FSDP2's unsharded parameters (written in place with their version counter kept), tensor
-subclasses (fake and functional tensors while tracing, DTensors), and calls under CUDA-graph
-capture, whose replays must follow later parameter updates. After an edit through ``.data`` (which
-bypasses the version counter), ``ModelNew.invalidate_fold()`` drops this cache's entries too.
+parameters keep their stamp (stamp() below): an optimizer step, load_state_dict, ``.to()`` or any
+in-place change replaces it. It holds weak references to the storages only, so it never keeps a
+freed model's memory past the next miss. Not cached, folded at every call: FSDP2's unsharded
+parameters (written in place with their version counter kept), tensor subclasses (fake and
+functional tensors while tracing, DTensors), and calls under CUDA-graph capture, whose replays must
+follow later parameter updates. After an edit through ``.data`` (which bypasses the version
+counter), ``ModelNew.invalidate_fold()`` drops the parameters' entries.
 
 The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead", and
 "max-autotune") would replay its kernels on the fold cached when they were recorded; inductor runs
@@ -173,7 +174,8 @@ def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
         return folded
     refs = storage_refs(weight, bias, stamped)
     if refs is not None:
-        for stale_key in [k for k, (_, r, _, _) in _ENTRIES.items()
+        # A snapshot (one C-level copy): other threads may add entries meanwhile.
+        for stale_key in [k for k, (_, r, _, _) in list(_ENTRIES.items())
                           if any(ref.expired() for ref in r)]:
             _ENTRIES.pop(stale_key, None)
         _ENTRIES[key] = (stamped, refs, folded, (folded[0]._version, folded[1]._version))
@@ -203,16 +205,21 @@ def needs_recorded_fold(weight: Tensor) -> bool:
 
 
 def _cached_model_forward_autograd(x, weight, bias, pool_kernel_size, scale):
+    plain = (type(x) in _PLAIN_TENSOR_TYPES and type(weight) in _PLAIN_TENSOR_TYPES
+             and (bias is None or type(bias) in _PLAIN_TENSOR_TYPES)
+             and torch._C._get_tracing_state() is None)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     if not needs_grad:
-        # Below autograd as one op: a tracer (AOTAutograd's inference graph) records this node,
-        # not the fold inside it.
+        if plain:  # a call at run time: straight to the kernel below
+            return _cached_model_forward_kernel(x, weight, bias, pool_kernel_size, scale)
+        # Traced (fake or functional tensors, jit.trace): below autograd as one op, so that the
+        # tracer records this node, not the cached fold inside it.
         with torch._C._AutoDispatchBelowAutograd():
-            return cached_model_forward(x, weight, bias, pool_kernel_size, scale)
-    if (needs_recorded_fold(weight)
-            or not all(type(t) in _PLAIN_TENSOR_TYPES for t in (x, weight, bias) if t is not None)):
-        # Also traced for a gradient (a joint graph of AOTAutograd): the fold in the graph.
+            return _CACHED_MODEL_FORWARD(x, weight, bias, pool_kernel_size, scale)
+    if not plain or needs_recorded_fold(weight):
+        # Traced for a gradient (a joint graph of AOTAutograd), autocast, torch.func: the fold
+        # recorded with the forward.
         return ops.forward(x, *ops.fold(weight, bias, pool_kernel_size), scale)
     return ops.model_forward(x, weight, bias, pool_kernel_size, scale,
                              *cached_fold(weight, bias, pool_kernel_size, prepare=False))
@@ -220,7 +227,7 @@ def _cached_model_forward_autograd(x, weight, bias, pool_kernel_size, scale):
 
 def _cached_model_forward_kernel(x, weight, bias, pool_kernel_size, scale):
     pooled_weight, pooled_bias, prepared_weight = cached_fold(weight, bias, pool_kernel_size)
-    return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
+    return _FORWARD(x, pooled_weight, pooled_bias, scale, prepared_weight)
 
 
 def _cached_model_forward_fake(x, weight, bias, pool_kernel_size, scale):
@@ -243,8 +250,13 @@ torch.library.register_fake("fused_pool_gelu::cached_model_forward", _cached_mod
                             lib=_lib)
 
 
+_CACHED_MODEL_FORWARD = torch.ops.fused_pool_gelu.cached_model_forward.default
+# The C++ op (its kernels check the inputs): the public wrapper's checks are for Python callers.
+_FORWARD = torch.ops.fused_pool_gelu.forward.default
+
+
 def cached_model_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                          pool_kernel_size: int, scale: float) -> Tensor:
     """``model_forward(x, weight, bias, k, scale)`` on a fold cached across calls (module
     docstring): what ModelNew's traced graphs call."""
-    return torch.ops.fused_pool_gelu.cached_model_forward(x, weight, bias, pool_kernel_size, scale)
+    return _CACHED_MODEL_FORWARD(x, weight, bias, pool_kernel_size, scale)

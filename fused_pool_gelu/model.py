@@ -345,6 +345,14 @@ class ModelNew(nn.Module):
         # and Python autograd formulas instead, the fold in the graph; an exported or
         # jit-traced graph is the op, which takes the gradient path when one is needed.
         weight, bias = linear.weight, linear.bias
+        if _is_dtensor(weight):
+            # Placed by PoolGroupParallel: its forward runs eagerly, a graph break (its
+            # collectives depend on each rank's share of the groups, which traced graphs
+            # would fix per rank).
+            from .parallel import sharded_forward
+
+            return torch.compiler.disable(sharded_forward)(x, weight, bias, pool_kernel_size,
+                                                           scale)
         if (torch.is_grad_enabled() and not torch.compiler.is_exporting()
                 and torch._C._get_tracing_state() is None
                 and (weight.requires_grad or (bias is not None and bias.requires_grad))):

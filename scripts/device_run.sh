@@ -3,7 +3,7 @@
 #   scripts/device_run.sh build test test-cuda test-slow test-all test-certified sanitize profile
 #                         profile-certified profile-shapes bench-ours bench-forward
 #                         bench-forward-graph bench-train bench-train-graph bench-grid
-#                         bench-kernelbench
+#                         bench-kernelbench bench-paths
 # Logs go to $OUT (the device tool brings them back); a short summary prints last.
 # BENCH_DTYPES="float32 bfloat16 float16" runs each bench-forward* / bench-train* stage once per
 # dtype (default float32); the -graph stages time CUDA-graph replays (--cuda-graph). BENCH_ARGS
@@ -20,8 +20,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 summary=()
 read -r -a bench_args <<< "${BENCH_ARGS:-}"
-# Benchmarks merge their rows into the committed results file; a copy comes back in $OUT.
-RESULTS="$ROOT/benchmarks/results/nvidia-h200.json"
+# Benchmarks merge their rows into the committed results files (benchmarks/results/<gpu>*.json);
+# they come back in $OUT/results.tgz, the stages' logs in $OUT/logs.tgz.
 note() { summary+=("$1"); echo "== $1"; }
 warn_unnamed_revision() {
   [[ -n "${FUSED_POOL_GELU_GIT_REVISION:-}" ]] ||
@@ -45,11 +45,11 @@ for stage in "$@"; do
   case $stage in
     build)
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-      run_stage build "$ROOT" env MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST="8.0;9.0a" \
+      run_stage build "$ROOT" env MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0a}" \
         FUSED_POOL_GELU_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -v . || break
       ;;
     test)
-      run_stage test "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -m "cuda and not slow" --timeout=180 \
+      run_stage test "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -m "cuda and not slow" --timeout=180 -n "${PYTEST_WORKERS:-6}" \
         --durations=10 .
       ;;
     test-cuda)
@@ -96,24 +96,27 @@ for stage in "$@"; do
       launch=(); [[ $stage == *-graph ]] && launch=(--cuda-graph)
       for dtype in ${BENCH_DTYPES:-float32}; do
         run_stage "$stage-$dtype" /tmp python3 "$ROOT/benchmarks/$script" \
-          --dtype "$dtype" ${launch[@]+"${launch[@]}"} ${bench_args[@]+"${bench_args[@]}"} \
-          --out "$RESULTS"
+          --dtype "$dtype" ${launch[@]+"${launch[@]}"} ${bench_args[@]+"${bench_args[@]}"}
       done
-      cp "$RESULTS" "$OUT/"
+      ;;
+    bench-paths)
+      warn_unnamed_revision
+      run_stage bench-paths /tmp python3 "$ROOT/benchmarks/bench_paths.py" \
+        ${bench_args[@]+"${bench_args[@]}"}
       ;;
     bench-grid)
       warn_unnamed_revision
       # bench_grid.py starts nothing past its --deadline-s (420 s): a stage of 8 minutes holds it.
       STAGE_TIMEOUT_S=${STAGE_TIMEOUT_S:-480} run_stage bench-grid /tmp python3 \
         "$ROOT/benchmarks/bench_grid.py" ${bench_args[@]+"${bench_args[@]}"}
-      cp "$ROOT"/benchmarks/results/*-grid.* "$OUT/"
       ;;
     bench-kernelbench)
       warn_unnamed_revision
       run_stage bench-kernelbench /tmp python3 "$ROOT/benchmarks/bench_kernelbench.py"
-      cp "$ROOT"/benchmarks/results/*-kernelbench.* "$OUT/"
       ;;
     *) note "unknown stage $stage" ;;
   esac
 done
+tar czf "$OUT/results.tgz" -C "$ROOT" benchmarks/results
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
 printf '%s\n' "${summary[@]}"

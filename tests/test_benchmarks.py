@@ -338,3 +338,16 @@ def test_the_kernelbench_timing_runs_both_models_and_checks_ours(broken, tmp_pat
     assert data["correct_trials"] == (0 if broken else bench.KB_CORRECT_TRIALS)
     assert set(data["speedups"]) == {"enabled", "no_grad"}
     assert '"excessive speedup" flag' in path.with_suffix(".md").read_text()
+
+
+def test_the_paths_benchmark_times_model_new_eager_grad_enabled_and_exported(tmp_path):
+    _load("bench_forward")  # bench_paths imports it as a top-level module
+    paths = _load("bench_paths")
+    path = tmp_path / "cpu-paths.json"
+    impls = ["ours_model", "ours_op", "ours_model_grad", "model_export"]
+    argv = ["--device", "cpu", "-K", "32", "-O", "16", "-k", "4", "--batches", "1", "5",
+            "--impls", *impls, "--warmup", "1", "--rep", "5", "--out", str(path)]
+    assert paths.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["impl"], r["B"]) for r in rows} == {(i, b) for i in impls for b in (1, 5)}
+    assert all(common.is_accurate(r) and r["median_us"] > 0 for r in rows), rows

@@ -93,6 +93,32 @@ def test_gradient_accumulation_folds_once_per_update_with_the_same_gradient_bits
     assert torch.equal(out, _unfused_fold_forward(twin, x))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("certified", ["1", "0"])
+def test_training_after_evaluation_takes_the_prepared_copy_with_the_same_bits(
+        certified, set_debug_knobs):
+    # An evaluation call caches the prepared copy next to the fold; a training call then hands
+    # both to model_forward, whose forward (certified where forced) gives the same bits as one
+    # that prepares its own.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    set_debug_knobs(FUSED_POOL_GELU_CERTIFIED=certified)
+    _, model = _models("cuda")
+    twin = copy.deepcopy(model)
+    x = _x("cuda", batch=64)
+    with torch.no_grad():
+        model(x)
+    assert _fold_cache.cached_fold(model.matmul.weight, model.matmul.bias, POOL)[2] is not None
+    grad_out = torch.randn(64, device="cuda")
+    out = model(x)
+    out.backward(grad_out)
+    expected = _unfused_fold_forward(twin, x)
+    expected.backward(grad_out)
+    assert torch.equal(out, expected)
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter.grad, twin.get_parameter(name).grad), name
+
+
 def test_evaluation_with_grad_enabled_reuses_the_training_fold(device):
     _, model = _models(device)
     model(_x(device)).sum().backward()
@@ -154,6 +180,26 @@ def test_compiled_inference_folds_once_and_follows_updates(device, backend, grad
         out, folds = _folds_run(lambda: compiled(x))
         assert folds == 1
         _assert_matches_float64(out, reference, x)
+
+
+@pytest.mark.cuda
+@pytest.mark.graphs
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compiled_inference_with_cuda_graphs_follows_updates(mode):
+    # inductor's CUDA graphs must not replay a fold cached when they were recorded: the op is
+    # tagged cudagraph_unsafe, so it runs outside them.
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reference, model = _models("cuda")
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    x = _x("cuda", batch=64)
+    with torch.no_grad():
+        for step in range(4):
+            out = compiled(x)
+            _assert_matches_float64(out, reference, x)
+            model.matmul.weight.mul_(0.5)
+            reference.matmul.weight.mul_(0.5)
 
 
 def test_compiled_inference_with_freezing_folds_once(device):

@@ -3,6 +3,7 @@ buffers, with ModelNew's results."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -75,18 +76,21 @@ def test_state_dict_round_trip_through_a_file(device):
 
 
 def test_dtype_conversion_remakes_what_it_needs(device):
+    # To another dtype of the device (float64 on the CPU; CUDA computes in float32 and the halves)
+    # and back: the prepared copy only for CUDA float32.
     model = _trained(device)
-    folded = FoldedModel.from_model(model).double()
-    assert folded.pooled_weight.dtype == torch.float64 and folded.prepared_weight is None
-    x = torch.rand(4, K, device=device, dtype=torch.float64)
-    # Folded in float32 then widened, against ModelNew folding in float64: the fold's rounding.
-    torch.testing.assert_close(folded(x), _expected(model.double(), x), atol=1e-6, rtol=1e-6)
+    other = torch.float64 if device == "cpu" else torch.float16
+    tol = 1e-6 if other == torch.float64 else 1e-2
+    folded = FoldedModel.from_model(model).to(other)
+    assert folded.pooled_weight.dtype == other and folded.prepared_weight is None
+    x = torch.rand(4, K, device=device)
+    # Folded in float32 then converted, against ModelNew folding in the other dtype.
+    torch.testing.assert_close(folded(x.to(other)), _expected(copy.deepcopy(model).to(other),
+                                                              x.to(other)), atol=tol, rtol=tol)
     back = folded.float()
     assert back.pooled_weight.dtype == torch.float32
-    on_cuda = back.pooled_weight.is_cuda
-    assert (back.prepared_weight is not None) == on_cuda
-    torch.testing.assert_close(back(x.float()), _expected(model.float(), x.float()),
-                               atol=1e-6, rtol=1e-6)
+    assert (back.prepared_weight is not None) == back.pooled_weight.is_cuda
+    torch.testing.assert_close(back(x), _expected(model, x), atol=tol, rtol=tol)
 
 
 @pytest.mark.cuda

@@ -221,6 +221,27 @@ def plan_forward_and_gradients_match_model(ctx):
 
 
 @scenario
+def plan_compiled_matches_model_new(ctx):
+    # torch.compile of the planned model traces the sharded forward (local fold, borrowed rows,
+    # the arg-max across ranks), not a fold of the DTensor parameters.
+    for out_features, pool in _split_shapes(ctx.world_size):
+        torch._dynamo.reset()
+        _, full = _models(ctx, out_features, pool)
+        x, grad_out = _inputs(ctx)
+        sharded = _plan(copy.deepcopy(full), ctx.mesh)
+        compiled = torch.compile(sharded, backend="aot_eager")
+        out, grad_x = _run(compiled, x, grad_out)
+        expected_out, expected_grad_x = _run(full, x, grad_out)
+        close = dict(atol=_tolerance(ctx.dtype), rtol=_tolerance(ctx.dtype))
+        torch.testing.assert_close(out, expected_out, **close)
+        torch.testing.assert_close(grad_x, expected_grad_x, **close)
+        for name, parameter in sharded.named_parameters():
+            torch.testing.assert_close(_full(parameter.grad), full.get_parameter(name).grad,
+                                       **close)
+    torch._dynamo.reset()
+
+
+@scenario
 def plan_float32_and_without_bias_match(ctx):
     for bias in (True, False):
         _, full = _models(ctx, dtype=torch.float32)
