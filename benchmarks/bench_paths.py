@@ -12,7 +12,7 @@ Impls (each a ModelNew over the run's Model; inference under torch.no_grad() unl
   model_freezing    the same with inductor's freezing
   model_export      torch.export.export(ModelNew) (dynamic batch), its .module()
   model_aoti        that exported program through AOTInductor (aoti_compile_and_package); CPU
-                    only (loading such a package built for CUDA crashed in torch 2.11)
+                    only (loading such a package built for CUDA has crashed in torch's loader)
   ours_op           the op on weights folded once, with its prepared copy (bench_forward.py's)
   op_compile        torch.compile of that call: what any compiled call of the op costs, the floor
                     of the compiled ModelNew paths
@@ -96,8 +96,8 @@ def build_model_export(ctx):
 
 def build_model_aoti(ctx):
     if ctx.device.type != "cpu":
-        raise RuntimeError("model_aoti: CPU only (a CUDA package of ModelNew's graph crashed at "
-                           "load in torch 2.11's AOTInductor; export FoldedModel for AOTI)")
+        raise RuntimeError("model_aoti: CPU only (a CUDA package of ModelNew's graph has crashed "
+                           "at load in torch's AOTInductor; export FoldedModel for AOTI)")
     directory = tempfile.mkdtemp(prefix="fpg-aoti-")
     path = torch._inductor.aoti_compile_and_package(
         _exported(ctx), package_path=f"{directory}/model_new.pt2")
