@@ -10,13 +10,15 @@ calls the op ``fused_pool_gelu::cached_model_forward`` instead wherever the trac
 of the parameters, and in every exported graph; the op reads the cache at run time.
 
 An entry is keyed by the parameters' storages and pool_kernel_size, and serves while the
-parameters keep their stamp (stamp() below): an optimizer step, load_state_dict, ``.to()`` or any
-in-place change replaces it. It holds weak references to the storages only, so it never keeps a
+parameters keep their stamp (stamp() below) and no torch.optim optimizer has stepped since it was
+made (fused optimizers write without bumping version counters): load_state_dict, ``.to()``, any
+in-place change or optimizer step replaces it. It holds weak references to the storages only, so it never keeps a
 freed model's memory past the next miss. Not cached, folded at every call: FSDP2's unsharded
 parameters (written in place with their version counter kept), tensor subclasses (fake and
 functional tensors while tracing, DTensors), and calls under CUDA-graph capture, whose replays must
-follow later parameter updates. After an edit through ``.data`` (which bypasses the version
-counter), ``ModelNew.invalidate_fold()`` drops the parameters' entries.
+follow later parameter updates. Writes that bypass the version counter outside an optimizer step
+(through ``.data`` or ``.detach()``, in-place collectives such as ``dist.broadcast(p.detach())``,
+NumPy or DLPack views) are not seen: ``ModelNew.invalidate_fold()`` drops the parameters' entries.
 
 The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead", and
 "max-autotune") would replay its kernels on the fold cached when they were recorded; inductor runs
@@ -32,14 +34,28 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _func, ops
 
 _PLAIN_TENSOR_TYPES = (Tensor, nn.Parameter)
 
 # (weight storage, bias storage or None, pool_kernel_size) -> (stamp, storage refs, folded,
-# versions of the folded tensors).
+# versions of the folded tensors and the optimizer steps counted when it was made).
 _ENTRIES: dict = {}
+
+# Steps of every torch.optim optimizer so far. Fused optimizers (fused=True) write the parameters
+# without bumping their version counters: an entry made before any optimizer step is not served
+# after it.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs):
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def stamp(weight: Tensor, bias: Optional[Tensor]) -> tuple:
@@ -150,13 +166,15 @@ def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
     try:
         stamped = stamp(weight, bias)
     except RuntimeError:
-        # No storage to stamp: functorch's wrappers (torch.func.vmap over stacked parameters, an
-        # ensemble through functional_call), new objects at every call anyway. Folded as they
-        # are, inside the transforms.
+        # Nothing to stamp: functorch's wrappers (torch.func.vmap over stacked parameters, an
+        # ensemble through functional_call: new objects at every call anyway, folded as they
+        # are, inside the transforms), and inference tensors (parameters created under
+        # inference_mode), which have no version counter to see a change by.
         return (*ops.fold(weight, bias, pool_kernel_size), None)
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
         return fold_once(weight, bias, pool_kernel_size, prepare)
     key = (stamped[0], stamped[1] if bias is not None else None, pool_kernel_size)
+    optimizer_steps = _optimizer_steps  # read with the stamp, before the fold
     entry = _ENTRIES.get(key)
     folded = None
     # A hit needs no check of the entry's weak references: they pin the stamped StorageImpl
@@ -164,7 +182,8 @@ def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
     # parameters make entries).
     if entry is not None:
         entry_stamp, _, cached, versions = entry
-        if entry_stamp == stamped and versions == (cached[0]._version, cached[1]._version):
+        if entry_stamp == stamped and versions == (cached[0]._version, cached[1]._version,
+                                                   optimizer_steps):
             if cached[2] is not None or not (prepare and reads_prepared(weight)):
                 return cached
             folded = (*cached[:2], prepared_copy(cached[0]))  # folded by a training call
@@ -178,7 +197,8 @@ def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
         for stale_key in [k for k, (_, r, _, _) in list(_ENTRIES.items())
                           if any(ref.expired() for ref in r)]:
             _ENTRIES.pop(stale_key, None)
-        _ENTRIES[key] = (stamped, refs, folded, (folded[0]._version, folded[1]._version))
+        _ENTRIES[key] = (stamped, refs, folded,
+                         (folded[0]._version, folded[1]._version, optimizer_steps))
     return folded
 
 

@@ -35,12 +35,19 @@ def max_abs_error(out, ref) -> float:
 
 def training_step(forward, x, params):
     """The training step that __main__.py and the benchmarks time: the grads of params and x set
-    to None, then forward(x).sum().backward(). Returns it as a function returning forward(x)."""
+    to None, then forward(x).sum().backward(). Returns it as a function returning forward(x).
+
+    A real step follows a parameter update, after which ModelNew folds again; these steps update
+    nothing, so a forward with a fold cache (ModelNew.invalidate_fold) has it dropped at every step
+    (host work only), as an update would."""
     tensors = list(params) + [x]
+    invalidate_fold = getattr(forward, "invalidate_fold", None)
 
     def step():
         for t in tensors:
             t.grad = None
+        if invalidate_fold is not None:
+            invalidate_fold()
         out = forward(x)
         out.sum().backward()
         return out

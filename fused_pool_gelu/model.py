@@ -353,9 +353,10 @@ class ModelNew(nn.Module):
 
             return torch.compiler.disable(sharded_forward)(x, weight, bias, pool_kernel_size,
                                                            scale)
-        if (torch.is_grad_enabled() and not torch.compiler.is_exporting()
-                and torch._C._get_tracing_state() is None
-                and (weight.requires_grad or (bias is not None and bias.requires_grad))):
+        recorded = _fold_cache.needs_recorded_fold(weight)  # autocast: its kernels' dtypes
+        if recorded or (torch.is_grad_enabled() and not torch.compiler.is_exporting()
+                        and torch._C._get_tracing_state() is None
+                        and (weight.requires_grad or (bias is not None and bias.requires_grad))):
             return ops.forward(x, *ops.fold(weight, bias, pool_kernel_size), scale)
         return _fold_cache.cached_model_forward(x, weight, bias, pool_kernel_size, scale)
 

@@ -797,6 +797,8 @@ def _worker(rank, world_size, backend, device_type, result_dir):
     results = {}
     try:
         for name, run in SCENARIOS.items():
+            # Recorded before it runs: a rank that dies in it (a signal) leaves its name.
+            _write_records(result_dir, rank, {**results, name: _DIED_HERE})
             try:
                 run(ctx)
                 results[name] = None
@@ -808,9 +810,16 @@ def _worker(rank, world_size, backend, device_type, result_dir):
             # failure the ranks are out of step, and a barrier would only wait for the timeout).
             dist.barrier()
     finally:
-        with open(f"{result_dir}/rank{rank}.json", "w") as file:
-            json.dump(results, file)
+        _write_records(result_dir, rank, results)
         dist.destroy_process_group()
+
+
+_DIED_HERE = "the process died in this scenario"
+
+
+def _write_records(result_dir, rank, results):
+    with open(f"{result_dir}/rank{rank}.json", "w") as file:
+        json.dump(results, file)
 
 
 class _Records:
@@ -834,12 +843,23 @@ class _Records:
 
 def _spawn(world_size, backend, device_type, tmp_path_factory):
     result_dir = tmp_path_factory.mktemp(f"{backend}-{device_type}{world_size}")
-    mp.spawn(
-        _FromThisFile("_worker"),
-        args=(world_size, backend, device_type, str(result_dir)),
-        nprocs=world_size,
-        join=True,
-    )
+    try:
+        mp.spawn(
+            _FromThisFile("_worker"),
+            args=(world_size, backend, device_type, str(result_dir)),
+            nprocs=world_size,
+            join=True,
+        )
+    except mp.ProcessExitedException as error:  # a rank killed by a signal: name its scenario
+        died_in = {}
+        for rank in range(world_size):
+            try:
+                with open(result_dir / f"rank{rank}.json") as file:
+                    records = json.load(file)
+            except (OSError, ValueError):
+                continue
+            died_in[rank] = [name for name, value in records.items() if value == _DIED_HERE]
+        raise AssertionError(f"{error}; the scenario each rank was in: {died_in}") from error
     return _Records(world_size, result_dir)
 
 
