@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import json
 import operator
 import runpy
@@ -769,6 +770,9 @@ def _worker(rank, world_size, backend, device_type, result_dir):
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    # A rank killed by a signal (a segfault in a backend) leaves its Python stack here; the file
+    # stays open until the process exits.
+    faulthandler.enable(open(f"{result_dir}/rank{rank}.crash", "w"))
     torch.set_num_threads(1)
     if device_type == "cuda":
         torch.cuda.set_device(0)  # one GPU, shared by the ranks
@@ -843,15 +847,19 @@ def _spawn(world_size, backend, device_type, tmp_path_factory):
             join=True,
         )
     except mp.ProcessExitedException as error:  # a rank killed by a signal: name its scenario
-        died_in = {}
+        died_in, stacks = {}, []
         for rank in range(world_size):
             try:
                 with open(result_dir / f"rank{rank}.json") as file:
                     records = json.load(file)
+                died_in[rank] = [name for name, value in records.items() if value == _DIED_HERE]
+                stack = (result_dir / f"rank{rank}.crash").read_text()
             except (OSError, ValueError):
                 continue
-            died_in[rank] = [name for name, value in records.items() if value == _DIED_HERE]
-        raise AssertionError(f"{error}; the scenario each rank was in: {died_in}") from error
+            if stack:
+                stacks.append(f"rank {rank}'s stack when it died:\n{stack}")
+        raise AssertionError("\n".join(
+            [f"{error}; the scenario each rank was in: {died_in}", *stacks])) from error
     return _Records(world_size, result_dir)
 
 
