@@ -10,9 +10,10 @@ the timed region; the device is synchronized every `--sync-every` calls so that 
 never fills and blocks a call), median and minimum over `--calls` calls, for
   - the ops one by one (fold, forward_with_argmax, model_forward, model_backward, forward_backward,
     fold_backward) at B = 1024, and a plain `torch.add` of the pooled weight's size for scale;
-  - the parts of bench_train.py's step for ours_model: grads set to None, ModelNew's forward,
-    out.sum(), and backward() (which includes the autograd engine's hand-off to its device thread
-    and back; model_backward is a part of it).
+  - the parts of bench_train.py's step for ours_model (measure.training_step): grads set to None,
+    the fold cache dropped (as a parameter update drops it), ModelNew's forward (the fold
+    included), out.sum(), and backward() (which includes the autograd engine's hand-off to its
+    device thread and back; model_backward is a part of it).
 The host's speed drifts between runs (up to ~1.8x on a shared machine): compare versions
 interleaved in one session, round by round (`--rounds`).
 Shape: the default, K = O = 8192, k = 16, scale 2.
@@ -48,7 +49,8 @@ def host_us(fn, calls: int, sync_every: int):
 def step_parts(model, x, calls: int, sync_every: int):
     """Median host microseconds of each part of one eager training step."""
     tensors = list(model.parameters()) + [x]
-    parts = {"grads None": [], "forward": [], "sum": [], "backward": [], "step": []}
+    parts = {"grads None": [], "drop fold": [], "forward": [], "sum": [], "backward": [],
+             "step": []}
     for i in range(calls):
         if i % sync_every == 0:
             torch.cuda.synchronize()
@@ -56,13 +58,15 @@ def step_parts(model, x, calls: int, sync_every: int):
         for t in tensors:
             t.grad = None
         t1 = time.perf_counter()
-        out = model(x)
+        model.invalidate_fold()
         t2 = time.perf_counter()
-        loss = out.sum()
+        out = model(x)
         t3 = time.perf_counter()
-        loss.backward()
+        loss = out.sum()
         t4 = time.perf_counter()
-        for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+        loss.backward()
+        t5 = time.perf_counter()
+        for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
             parts[key].append(value * 1e6)
     torch.cuda.synchronize()
     return {key: round(statistics.median(values), 1) for key, values in parts.items()}
