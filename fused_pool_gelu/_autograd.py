@@ -285,6 +285,16 @@ def model_forward_on_cached_fold(x, weight, bias, pool_kernel_size, scale, poole
                                pooled_bias, None)
 
 
+def forward_on_cached_fold(x, pooled_weight, pooled_bias, scale, prepared_weight):
+    """ModelNew's eager inference call: the forward kernel on the fold (and prepared copy) that
+    ModelNew's cache made, where no gradient is needed and neither autocast, a torch.func
+    transform nor forward-mode AD is active (the caller checks). The routing of ops.forward and
+    forward_autograd that this skips, and the prepared copy's tie check (the cache made it from
+    this pooled weight), are host time on every call."""
+    with _below_autograd():
+        return _forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
+
+
 def _prepare_weight_autograd(weight):
     # Not differentiable (a copy in another precision, for the forward's selection only): its
     # output never carries a gradient function.

@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 from torch.nn.modules import module as _module
 
 from . import _autograd, _fold_cache, ops
@@ -397,6 +398,13 @@ class ModelNew(nn.Module):
             pooled_weight, pooled_bias, prepared_weight = self._folded(
                 weight, bias, pool_kernel_size
             )
+            # No gradient (x's too: frozen parameters may still pass one to x) and nothing that
+            # ops.forward routes elsewhere: straight to the kernel.
+            if (not (x.requires_grad and torch.is_grad_enabled())
+                    and forward_ad._current_level < 0 and not torch._C._is_any_autocast_enabled()
+                    and not torch._C._are_functorch_transforms_active()):
+                return _autograd.forward_on_cached_fold(x, pooled_weight, pooled_bias, scale,
+                                                        prepared_weight)
             return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
         except RuntimeError as error:
             # The op's own message would name the pooled weight, which the caller never made.
