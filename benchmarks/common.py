@@ -527,7 +527,7 @@ def write_profile(path: Optional[str], rows: List[dict]) -> None:
 
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "rows": rows}, f, indent=1)
+                   "date": now_iso(), "git": git_revision(), "rows": rows}, f, indent=1)
 
 
 def error_metrics(out, ref64) -> dict:
