@@ -834,9 +834,10 @@ def run_benchmark(
     def new_row(impl, b, **fields):
         return dict(impl=impl, mode=mode, B=b, **shape, date=run_id, run_id=run_id, **fields)
 
+    deadline_origin = start if deadline_from is None else deadline_from
+
     def past_deadline():
-        origin = start if deadline_from is None else deadline_from
-        return args.deadline_s and time.perf_counter() - origin > args.deadline_s
+        return args.deadline_s and time.perf_counter() - deadline_origin > args.deadline_s
 
     def skip(impl, batches):
         """Rows for the pairs not measured, so that no older run's row stands in for them."""

@@ -35,6 +35,13 @@ STYLE = {
 }
 
 
+def _run_line(run_id, meta: dict, without_timer: str) -> str:
+    """'Run <id>: timer <timer>, git <commit>.' for a run's metadata (without_timer where it
+    names no timer)."""
+    timer = f"timer {meta['timer']}" if meta.get("timer") else without_timer
+    return f"Run {run_id}: {timer}" + (f", git {meta['git']}" if meta.get("git") else "") + "."
+
+
 def group_by_config(rows):
     groups = defaultdict(list)
     for r in rows:
@@ -91,10 +98,7 @@ def markdown(data: dict, source: str) -> str:
             lines.append("")
             lines.append(f"#### {MODE_TITLES[mode]}")
             for run_id in sorted({r.get("run_id") for r in mode_rows if r.get("run_id")}):
-                meta = runs.get(run_id, {})
-                lines.append("")
-                lines.append(f"Run {run_id}: timer {meta.get('timer', '?')}"
-                             + (f", git {meta['git']}" if meta.get("git") else "") + ".")
+                lines += ["", _run_line(run_id, runs.get(run_id, {}), "timer ?")]
             lines.append("")
             lines.append(common.markdown_tables(mode_rows, mode))
     return "\n".join(lines) + "\n"
@@ -291,10 +295,7 @@ def grid_markdown(data: dict, source: str) -> str:
     for _, config_rows in _grid_configs(rows):
         lines += ["", f"### {_grid_label(config_rows[0])} (O = {config_rows[0]['O']})"]
         for run_id in sorted({r.get("run_id") for r in config_rows if r.get("run_id")}):
-            meta = runs.get(run_id, {})
-            timer = f"timer {meta['timer']}" if meta.get("timer") else "no point measured"
-            lines += ["", f"Run {run_id}: {timer}"
-                      + (f", git {meta['git']}" if meta.get("git") else "") + "."]
+            lines += ["", _run_line(run_id, runs.get(run_id, {}), "no point measured")]
         lines += ["", common.markdown_tables(config_rows, "forward")]
     return "\n".join(lines) + "\n"
 

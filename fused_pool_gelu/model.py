@@ -91,8 +91,6 @@ def _is_plain_linear(linear: nn.Module) -> bool:
     )
 
 
-
-
 def _fsdp_forward_hooks(linear: nn.Module):
     """(pre_hook, post_hook) where the only hooks on ``linear`` are the two that FSDP2's
     ``fully_shard(linear)`` registers (unshard and input cast before the forward; reshard, the

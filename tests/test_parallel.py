@@ -739,9 +739,9 @@ def checkpoint_saved_sharded_loads_on_other_layouts(ctx):
 
 
 # ----------------------------------------------------------------------------------------------
-# Whether this torch's gloo runs, on CUDA tensors, the collectives the scenarios need: gloo's
-# all-gather of CUDA tensors crashes its worker thread in some releases (pytorch/pytorch#152645),
-# and a test of ours cannot mend that.
+# Whether this torch's gloo runs, on CUDA tensors, the collectives the scenarios need: in torch
+# 2.11 DTensor's all-gather of CUDA tensors over gloo kills the process (pytorch/pytorch#152645
+# reports the same of gloo's coalesced all-gather), and a test of ours cannot mend that.
 
 GLOO_CUDA_PROBES = {}
 
@@ -869,7 +869,7 @@ class _Records:
         """The scenarios that failed on some rank (not those left unrun after a failure)."""
         names = dict.fromkeys(name for results in self.per_rank for name in results)  # in order
         return [name for name in names
-                if any(results.get(name, None) is not None for results in self.per_rank)]
+                if any(results.get(name) is not None for results in self.per_rank)]
 
     def check(self, name):
         failures = []
