@@ -10,6 +10,11 @@ Knobs (environment variables):
                          compute capability 8.x, Ampere and Ada; 9.0a is Hopper's, with the wgmma
                          kernels). Other GPUs need their own entry, or "+PTX" on one (compiled
                          just in time there, without the Hopper-only kernels).
+  FUSED_POOL_GELU_PTX_ONLY=1
+                         compile each TORCH_CUDA_ARCH_LIST entry ("9.0", no "a") to PTX alone, no
+                         binary: the driver JIT-compiles every kernel at load, as a GPU newer than
+                         the wheel's binaries does with its PTX. A test build (scripts/device_run.sh
+                         test-ptx), without the Hopper-only kernels (they have no PTX).
   MAX_JOBS               parallel compile jobs (ninja).
   NVCC_THREADS           nvcc --threads per job (default 2).
   DEBUG=1                -O0 -g host code, -g -G device code (unoptimised, for debuggers).
@@ -88,6 +93,19 @@ def _has_sm90a(arch_list: str) -> bool:
     return any(a.split("+")[0] == "9.0a" for a in re.split(r"[;\s]+", arch_list.strip()) if a)
 
 
+def _ptx_only_gencode(arch_list: str) -> list:
+    """nvcc flags for FUSED_POOL_GELU_PTX_ONLY=1: compute_XY PTX for each "X.Y" entry."""
+    flags = []
+    for entry in (a for a in re.split(r"[;\s]+", arch_list.strip()) if a):
+        arch = entry.split("+")[0]
+        if not re.fullmatch(r"\d+\.\d", arch):
+            sys.exit(f"fused_pool_gelu: FUSED_POOL_GELU_PTX_ONLY=1 takes TORCH_CUDA_ARCH_LIST "
+                     f'entries like "9.0" (PTX of a virtual architecture), got "{entry}"')
+        flags.append(f"-gencode=arch=compute_{arch.replace('.', '')},"
+                     f"code=compute_{arch.replace('.', '')}")
+    return flags
+
+
 def _want_cuda(torch_cuda, cuda_home) -> bool:
     mode = os.environ.get("FUSED_POOL_GELU_CUDA", "auto").lower()
     if mode in ("0", "false", "no", "off"):
@@ -123,6 +141,8 @@ def _extension():
 
     debug = os.environ.get("DEBUG", "0") == "1"
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else ""
+    ptx_only = with_cuda and os.environ.get("FUSED_POOL_GELU_PTX_ONLY", "0") == "1"
+    with_sm90a = _has_sm90a(archs) and not ptx_only
     major, minor = TORCH_TARGET
     macros = [
         # Only the stable ABI of TORCH_TARGET: newer stable APIs and every non-stable header
@@ -131,8 +151,8 @@ def _extension():
         ("FPG_TORCH_TARGET", f'"{major}.{minor}"'),
         ("FPG_TORCH_VERSION", f'"{torch.__version__}"'),
         ("FPG_CUDA_VERSION", f'"{torch.version.cuda if with_cuda else ""}"'),
-        ("FPG_CUDA_ARCHS", f'"{archs}"'),
-        ("FPG_WITH_SM90A", "1" if _has_sm90a(archs) else "0"),
+        ("FPG_CUDA_ARCHS", f'"{archs} (PTX only)"' if ptx_only else f'"{archs}"'),
+        ("FPG_WITH_SM90A", "1" if with_sm90a else "0"),
         ("FPG_WITH_CUDA", "1" if with_cuda else "0"),
         ("FPG_DEBUG", "1" if debug else "0"),
     ]
@@ -172,7 +192,9 @@ def _extension():
     # The *_sm90a.cu units hold only Hopper's wgmma kernels: compiled for sm_90a alone
     # (BuildExtension below), and left out of builds whose arch list lacks 9.0a.
     cuda_sources = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
-    if not _has_sm90a(archs):
+    if ptx_only:
+        nvcc_flags += _ptx_only_gencode(archs)  # torch adds no arch flags where these are
+    if not with_sm90a:
         cuda_sources = [p for p in cuda_sources if not p.name.endswith(SM90A_SUFFIX)]
     sources += [str(p.relative_to(ROOT)) for p in cuda_sources]
     return CUDAExtension(
