@@ -9,12 +9,14 @@
 #pragma once
 
 #include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/macros.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/stableivalue_conversions.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
+#include <torch/headeronly/util/shim_utils.h>
 
 #include <algorithm>
 #include <array>
@@ -25,6 +27,14 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+// A failed shim call throws with libtorch's own message where the running torch can give it
+// (STABLE_TORCH_ERROR_CODE_CHECK, from torch 2.13's headers on; it looks the message up at run
+// time, so the binary still loads under the target version). Building against older headers, the
+// header-only check: the call's name, file and line.
+#ifndef STABLE_TORCH_ERROR_CODE_CHECK
+#define STABLE_TORCH_ERROR_CODE_CHECK(call) TORCH_ERROR_CODE_CHECK(call)
+#endif
 
 namespace fused_pool_gelu {
 
