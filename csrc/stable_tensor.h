@@ -128,6 +128,15 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain_size, const F
   torch::stable::parallel_for(begin, end, grain_size, f);
 }
 
+// The grain (items per task) that gives each parallel_for task at least ATen's GRAIN_SIZE (32768)
+// elementary operations when one item costs `work_per_item`: a call with less work than that runs
+// inline, as ATen's own kernels do, rather than paying the thread pool's fork and join
+// (microseconds, the whole call at small shapes).
+inline int64_t grain_for_work(int64_t work_per_item) {
+  constexpr int64_t kGrainWork = 32768;
+  return std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, work_per_item));
+}
+
 // An ATen op through the stable dispatcher: `stack` holds the arguments, then the returns.
 template <size_t N>
 void call_aten(const char* name, const char* overload, std::array<StableIValue, N>& stack) {

@@ -95,7 +95,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_backward(
     const scalar_t* x_ptr = x_c.const_data_ptr<scalar_t>();
     const scalar_t* w_ptr = weight_c.const_data_ptr<scalar_t>();
     scalar_t* gx_ptr = grad_x.mutable_data_ptr<scalar_t>();
-    parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, batch, grain_for_work(in_features), [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const scalar_t* w_row = w_ptr + argmax_ptr[b] * in_features;
         scalar_t* gx_row = gx_ptr + b * in_features;
@@ -117,7 +117,8 @@ std::tuple<Tensor, Tensor, Tensor> forward_backward(
     // and 0 + piece is the piece: a piece is never -0).
     scalar_t* gw_ptr = grad_weight.mutable_data_ptr<scalar_t>();
     scalar_t* gb_ptr = grad_bias.mutable_data_ptr<scalar_t>();
-    parallel_for(0, in_features, kColumnGrain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, in_features, std::max(kColumnGrain, grain_for_work(batch)),
+                 [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> piece(end - begin);
       for (int64_t n = 0; n < pooled; ++n) {
         scalar_t* gw_row = gw_ptr + n * in_features;

@@ -47,7 +47,7 @@ void pool_columns(const scalar_t* group, int64_t stride, int64_t k, scalar_t* ou
 template <typename scalar_t>
 void pool_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t rows,
                int64_t cols, int64_t k) {
-  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_for_work(k * cols), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const scalar_t* group = src + n * k * src_stride;
       scalar_t* out = dst + n * cols;
@@ -71,7 +71,7 @@ template <typename scalar_t>
 void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t pooled,
                  int64_t out_rows, int64_t cols, int64_t k) {
   using opmath = opmath_t<scalar_t>;
-  parallel_for(0, out_rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, out_rows, grain_for_work(cols), [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       scalar_t* out = dst + o * cols;
       const int64_t n = o / k;

@@ -139,7 +139,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_with_argmax(
       const Tensor x_rows = rows == batch ? x : aten::narrow(x, 0, row0, rows);
       const Tensor product = aten::mm(aten::contiguous(x_rows), weight_t);  // [rows, N]
       const scalar_t* z_rows = product.const_data_ptr<scalar_t>();
-      parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      parallel_for(0, rows, grain_for_work(pooled), [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const BestColumn<scalar_t> best =
               best_column_of_row(z_rows + i * pooled, bias_ptr, pooled, s);
@@ -166,7 +166,7 @@ Tensor prepare_weight(const Tensor& weight) {
   const float* source = w.const_data_ptr<float>();
   Half* const rows = reinterpret_cast<Half*>(prepared.mutable_data_ptr<uint8_t>());
   float* const trailers = reinterpret_cast<float*>(rows + n * copy_halves);
-  parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, grain_for_work(k), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* v = source + row * k;
       Half* copy = rows + row * copy_halves;
