@@ -100,9 +100,13 @@ def _ptx_only_gencode(arch_list: str) -> list:
         arch = entry.split("+")[0]
         if not re.fullmatch(r"\d+\.\d", arch):
             sys.exit(f"fused_pool_gelu: FUSED_POOL_GELU_PTX_ONLY=1 takes TORCH_CUDA_ARCH_LIST "
-                     f'entries like "9.0" (PTX of a virtual architecture), got "{entry}"')
+                     f'entries like "9.0" (PTX of a virtual architecture), got "{entry}" (the '
+                     f'default list is "{DEFAULT_ARCH_LIST}": set one)')
         flags.append(f"-gencode=arch=compute_{arch.replace('.', '')},"
                      f"code=compute_{arch.replace('.', '')}")
+    if not flags:  # torch would then add binaries of its own choosing
+        sys.exit("fused_pool_gelu: FUSED_POOL_GELU_PTX_ONLY=1 needs TORCH_CUDA_ARCH_LIST to name "
+                 'the PTX targets (e.g. "9.0"), got an empty list')
     return flags
 
 

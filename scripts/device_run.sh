@@ -62,11 +62,13 @@ for stage in "$@"; do
         > "$OUT/force-ptx-jit-torch.log" 2>&1
       note "torch under CUDA_FORCE_PTX_JIT=1: rc=$? ($(grep -m1 -oE '[A-Za-z]*Error: .{0,120}' "$OUT/force-ptx-jit-torch.log"))"
       ptx_target=/tmp/fpg-ptx-only
-      rm -rf "$ptx_target"
+      rm -rf "$ptx_target" "$ROOT/build"  # no object of another build may be packaged
       run_stage build-ptx "$ROOT" env MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST=9.0 \
         FUSED_POOL_GELU_PTX_ONLY=1 FUSED_POOL_GELU_CUDA=1 python3 -m pip install \
         --no-build-isolation --no-deps -q --target "$ptx_target" . || break
-      run_stage test-ptx "$ROOT/tests" env PYTHONPATH="$ptx_target" python3 -m pytest \
+      run_stage check-ptx-build /tmp env PYTHONPATH="$ptx_target" python3 -c "import fused_pool_gelu as f; \
+a = f.build_info()['cuda_archs']; assert a.endswith('(PTX only)'), a; print(a)" || break
+      STAGE_TIMEOUT_S=${STAGE_TIMEOUT_S:-420} run_stage test-ptx "$ROOT/tests" env PYTHONPATH="$ptx_target" python3 -m pytest \
         -p no:cacheprovider -q -m "cuda and not slow" --timeout=300 -n "${PYTEST_WORKERS:-6}" .
       ;;
     test-cuda)

@@ -238,6 +238,7 @@ void configure_gemm_sm90a_kernels(int device, int max_smem_optin, DeviceLimits& 
     return;
   }
   STD_CUDA_CHECK(loaded);
+  if (attributes.binaryVersion != 90) return;  // only sm_90a code is ever in this unit
   set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
   configure_certified_pass1_kernels();
   limits.wgmma_ctas_per_sm =
