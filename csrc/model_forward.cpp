@@ -2,7 +2,8 @@
 // parameters, forward(x, *fold(weight, bias, k), scale), and its backward, each as one call of the
 // device's own kernels (no dispatcher in between). model_forward's autograd (one node: fold and
 // forward_with_argmax forward, model_backward backward) is registered from Python
-// (fused_pool_gelu/_autograd.py); these kernels serve the calls that need no gradient.
+// (fused_pool_gelu/_autograd.py); model_forward's kernels serve the calls that need no gradient,
+// and _model_forward_with_argmax's that node's forward.
 //
 // A caller that holds fold(weight, bias, k) (ModelNew's cache, unchanged parameters) passes it as
 // pooled_weight and pooled_bias, with its prepared copy if it has one: the forward then skips the
@@ -43,6 +44,21 @@ Tensor model_forward_kernel(const Tensor& x, const Tensor& weight,
   return std::get<0>(forward_with_argmax(x, folded_weight, folded_bias, scale, std::nullopt));
 }
 
+// _model_forward_with_argmax: model_forward's forward for its Python autograd node, which saves
+// argmax, preactivation and the fold for model_backward, and whose caller (ModelNew) caches the
+// fold. One call from Python instead of fold's and forward_with_argmax's: host time per training
+// step after each parameter update.
+template <auto fold, auto forward_with_argmax>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> model_forward_with_argmax_kernel(
+    const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+    int64_t pool_kernel_size, double scale) {
+  check_model_forward_inputs(x, weight);
+  auto [pooled_weight, pooled_bias] = fold(weight, bias, pool_kernel_size);
+  auto [out, argmax, preactivation] =
+      forward_with_argmax(x, pooled_weight, pooled_bias, scale, std::nullopt);
+  return {out, argmax, preactivation, pooled_weight, pooled_bias};
+}
+
 // model_backward on the CPU: the two ops it stands for (CUDA has a kernel of its own, which skips
 // the pooled gradient's zero rows: cuda/backward.cu).
 std::tuple<Tensor, Tensor, Tensor> model_backward_cpu(
@@ -62,6 +78,8 @@ std::tuple<Tensor, Tensor, Tensor> model_backward_cpu(
 STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
   m.impl("model_forward",
          TORCH_BOX((&model_forward_kernel<cpu::fold, cpu::forward_with_argmax>)));
+  m.impl("_model_forward_with_argmax",
+         TORCH_BOX((&model_forward_with_argmax_kernel<cpu::fold, cpu::forward_with_argmax>)));
   m.impl("model_backward", TORCH_BOX(&model_backward_cpu));
 }
 
@@ -69,6 +87,8 @@ STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
   m.impl("model_forward",
          TORCH_BOX((&model_forward_kernel<cuda::fold, cuda::forward_with_argmax>)));
+  m.impl("_model_forward_with_argmax",
+         TORCH_BOX((&model_forward_with_argmax_kernel<cuda::fold, cuda::forward_with_argmax>)));
 }
 #endif
 

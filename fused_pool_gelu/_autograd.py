@@ -13,7 +13,8 @@ fold and fold_backward are adjoint linear maps, so each is the other's derivativ
 of the fold comes for free). forward_with_argmax's derivative is the arg-max backward (no dense
 GEMM); forward goes through forward_with_argmax when a gradient is needed. model_forward is fold and
 forward_with_argmax in one node (forward_with_argmax alone on a fold the caller gives) whose backward
-is model_backward.
+is model_backward; that node's forward calls _model_forward_with_argmax, which folds and returns
+what the node saves.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _fold = _ops.fold.default
 _forward = _ops.forward.default
 _forward_with_argmax = _ops.forward_with_argmax.default
 _model_backward = _ops.model_backward.default
+_model_forward_with_argmax = _ops._model_forward_with_argmax.default
 _forward_backward = _ops.forward_backward.default
 
 FORWARD_DOUBLE_BACKWARD_ERROR = (
@@ -223,13 +225,18 @@ class _ModelForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight, pooled_bias,
-                prepared_weight):
+                prepared_weight, fold_sink=None):
+        # fold_sink: a list that receives the fold made here (ModelNew caches it), or None.
         with _below_autograd():
             if pooled_weight is None:
-                pooled_weight, pooled_bias = _fold(weight, bias, pool_kernel_size)
-            out, argmax, preactivation = _forward_with_argmax(
-                x, pooled_weight, pooled_bias, scale, prepared_weight
-            )
+                out, argmax, preactivation, pooled_weight, pooled_bias = (
+                    _model_forward_with_argmax(x, weight, bias, pool_kernel_size, scale))
+                if fold_sink is not None:
+                    fold_sink.append((pooled_weight, pooled_bias))
+            else:
+                out, argmax, preactivation = _forward_with_argmax(
+                    x, pooled_weight, pooled_bias, scale, prepared_weight
+                )
         ctx.save_for_backward(x, pooled_weight, argmax, preactivation)
         ctx.shape = (weight.shape[0], pool_kernel_size, scale, bias is not None)
         return out
@@ -252,10 +259,10 @@ class _ModelForward(torch.autograd.Function):
                     pool_kernel_size,
                 )
                 return (grad_x if needs_x else None, grad_weight if needs_weight else None,
-                        grad_bias if needs_bias else None, None, None, None, None, None)
+                        grad_bias if needs_bias else None, None, None, None, None, None, None)
             grad_x = _forward_backward(grad_out, None, x, pooled_weight, argmax, preactivation,
                                        scale)[0]
-        return grad_x, None, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None, None
 
 
 def model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
@@ -274,15 +281,17 @@ def model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weig
 
 
 def model_forward_on_cached_fold(x, weight, bias, pool_kernel_size, scale, pooled_weight,
-                                 pooled_bias):
+                                 pooled_bias, fold_sink=None):
     """ModelNew's eager training call: model_forward's autograd node on the fold that ModelNew's
-    cache made of this weight, bias and pool_kernel_size (nothing of it to check), where ModelNew
-    found a gradient needed and autocast and torch.func transforms off. The checks and routing of
-    ops.model_forward and model_forward_autograd that this skips are host time on every step."""
+    cache made of this weight, bias and pool_kernel_size (nothing of it to check), or, with
+    pooled_weight and pooled_bias None, on the fold it makes, which it appends to fold_sink for
+    the cache; where ModelNew found a gradient needed and autocast and torch.func transforms off.
+    The checks and routing of ops.model_forward and model_forward_autograd that this skips are
+    host time on every step."""
     check_model_forward_inputs(x, weight)
     _check_no_tangents("model_forward", ("x", "weight", "bias"), (x, weight, bias))
     return _ModelForward.apply(x, weight, bias, pool_kernel_size, scale, pooled_weight,
-                               pooled_bias, None)
+                               pooled_bias, None, fold_sink)
 
 
 def forward_on_cached_fold(x, pooled_weight, pooled_bias, scale, prepared_weight):
@@ -293,6 +302,20 @@ def forward_on_cached_fold(x, pooled_weight, pooled_bias, scale, prepared_weight
     this pooled weight), are host time on every call."""
     with _below_autograd():
         return _forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
+
+
+def _model_forward_with_argmax_autograd(x, weight, bias, pool_kernel_size, scale):
+    # model_forward's forward inside its node (_ModelForward), which calls it below autograd: a
+    # call that needs a gradient is one from elsewhere, and model_forward is the op to call.
+    _check_no_tangents("_model_forward_with_argmax", ("x", "weight", "bias"), (x, weight, bias))
+    if _needs_grad(x, weight, bias):
+        raise RuntimeError(
+            "fused_pool_gelu._model_forward_with_argmax: no gradient flows through this op (the "
+            "forward of model_forward's autograd node); call fused_pool_gelu.ops.model_forward, "
+            "which is differentiable, or run it under torch.no_grad()"
+        )
+    with _below_autograd():
+        return _model_forward_with_argmax(x, weight, bias, pool_kernel_size, scale)
 
 
 def _prepare_weight_autograd(weight):
@@ -318,6 +341,7 @@ for _name, _kernel in (
     ("forward_backward", _forward_backward_autograd),
     ("model_backward", _model_backward_autograd),
     ("model_forward", model_forward_autograd),
+    ("_model_forward_with_argmax", _model_forward_with_argmax_autograd),
     ("prepare_weight", _prepare_weight_autograd),
     ("_certified_candidate_counts", _certified_candidate_counts_autograd),
 ):

@@ -74,6 +74,14 @@ def _model_forward_fake(x, weight, bias, pool_kernel_size, scale, pooled_weight=
     return _forward_fake(x, pooled_weight, pooled_bias, scale, prepared_weight)
 
 
+@torch.library.register_fake("fused_pool_gelu::_model_forward_with_argmax")
+def _model_forward_with_argmax_fake(x, weight, bias, pool_kernel_size, scale):
+    check_model_forward_inputs(x, weight)
+    pooled_weight, pooled_bias = _fold_fake(weight, bias, pool_kernel_size)
+    return (*_forward_with_argmax_fake(x, pooled_weight, pooled_bias, scale), pooled_weight,
+            pooled_bias)
+
+
 @torch.library.register_fake("fused_pool_gelu::forward_backward")
 def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale):
     check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation)

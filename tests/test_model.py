@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fused_pool_gelu
-from fused_pool_gelu import Model, ModelNew, ops
+from fused_pool_gelu import Model, ModelNew, _autograd, _fold_cache, ops
 
 # (in_features, out_features, pool_kernel_size, scale_factor)
 ARGS = [
@@ -37,21 +37,24 @@ def _pair(args, device="cpu", dtype=torch.float32, seed=1234):
 
 @pytest.fixture
 def fold_calls(monkeypatch):
-    """Counts the calls that fold the weight made through fused_pool_gelu.ops (what ModelNew
-    calls): ops.fold, and ops.model_forward without a given fold (it folds inside)."""
+    """Counts the calls that fold the weight on ModelNew's paths: ops.fold and ops.model_forward
+    without a given fold (it folds inside), and the ops that the fold cache and the training
+    node call directly (fold; _model_forward_with_argmax, which folds)."""
     calls = []
-    for name in ("fold", "model_forward"):
-        real = getattr(ops, name)
 
-        def counting(*args, real=real, name=name, **kwargs):
+    def counting(real, name):
+        def count(*args, **kwargs):
             given_fold = name == "model_forward" and (
                 (len(args) > 5 and args[5] is not None)
                 or kwargs.get("pooled_weight") is not None)
             if not given_fold:
                 calls.append(args)
             return real(*args, **kwargs)
+        return count
 
-        monkeypatch.setattr(fused_pool_gelu.ops, name, counting)
+    for module, attribute in ((ops, "fold"), (ops, "model_forward"), (_fold_cache, "_FOLD"),
+                              (_autograd, "_model_forward_with_argmax")):
+        monkeypatch.setattr(module, attribute, counting(getattr(module, attribute), attribute))
     return calls
 
 
