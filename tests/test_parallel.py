@@ -948,10 +948,10 @@ def test_gloo_ranks_sharing_a_gpu_match_unsharded(tmp_path_factory):
     try:
         failed = _spawn(2, "gloo", "cuda", tmp_path_factory, table="GLOO_CUDA_PROBES").failed()
     except _RankDied as error:
-        failed = sorted({name for names in error.died_in.values() for name in names})
-        if not failed:  # died outside the probes (set-up, teardown): not what the skip is for
+        killers = sorted({name for names in error.died_in.values() for name in names})
+        if not killers:  # died outside the probes (set-up, teardown): not what the skip is for
             raise
-        failed = [f"{name} killed a rank" for name in failed]
+        failed = [f"{name} killed a rank" for name in killers]
     if failed:
         pytest.skip(f"torch {torch.__version__}'s gloo cannot run on CUDA tensors the "
                     f"collectives of DTensor and FSDP2 ({', '.join(failed)}; see "
