@@ -33,6 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -157,10 +158,20 @@ def _cacheable(weight: Tensor, bias: Optional[Tensor]) -> bool:
                 or (bias is not None and written_in_place_by_fsdp(bias)))
 
 
+def carries_tangent(weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether weight or bias carries a forward-mode AD tangent at the current dual level."""
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None
+               for t in (weight, bias))
+
+
 def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
                 prepare: bool = True) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """(pooled_weight, pooled_bias, prepared_weight or None) from the process-wide cache, made
     and cached on a miss where the parameters can be (module docstring)."""
+    if forward_ad._current_level >= 0 and carries_tangent(weight, bias):
+        # A dual tensor shares its primal's storage and stamp: a cached fold would drop the
+        # tangent, the output's silently zero. The op refuses it, naming fold and the argument.
+        return (*ops.fold(weight, bias, pool_kernel_size), None)
     try:
         stamped = stamp(weight, bias)
     except RuntimeError:

@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 from torch.profiler import ProfilerActivity, profile
 
 from fused_pool_gelu import Model, ModelNew, ops
@@ -145,6 +146,28 @@ def test_evaluation_with_grad_enabled_reuses_the_training_fold(device):
     model(_x(device)).sum().backward()
     out, folds = _folds_run(lambda: model(_x(device)))
     assert folds == 0 and out.requires_grad
+
+
+@pytest.mark.parametrize("cache", ["miss", "hit"])
+@pytest.mark.parametrize("parameter", ["weight", "bias"])
+def test_a_forward_mode_tangent_on_the_parameters_is_refused_not_served_from_the_cache(
+    parameter, cache, device
+):
+    # A dual tensor has its primal's storage and stamp: served the cached fold, the output's
+    # tangent would be silently dropped.
+    _, model = _models(device)
+    model.requires_grad_(False)
+    x = _x(device)
+    if cache == "hit":
+        model(x)
+    else:
+        model.invalidate_fold()
+    primal = getattr(model.matmul, parameter)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(primal, torch.randn_like(primal))
+        with pytest.raises(RuntimeError, match=rf"fused_pool_gelu\.fold: {parameter} carries a "
+                                               "forward-mode AD tangent"):
+            torch.func.functional_call(model, {f"matmul.{parameter}": dual}, (x,))
 
 
 def test_model_forward_checks_a_given_fold(device):
