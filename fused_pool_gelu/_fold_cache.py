@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -92,11 +93,17 @@ def fold_once(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
     """fold(weight, bias, k) and, with prepare on CUDA float32, its prepared copy, as plain
     tensors without autograd history (also under inference_mode: a model cached there must still
     serve later calls whose input requires grad)."""
-    # The op itself below autograd, after inference_mode(False): the entry has no history (a
-    # graph node would hold the parameters alive), and skipping the public wrapper's checks and
-    # routing (ModelNew checked its arguments) is host time at every parameter update.
-    with torch.inference_mode(False), torch._C._AutoDispatchBelowADInplaceOrView():
-        pooled_weight, pooled_bias = _FOLD(weight, bias, pool_kernel_size)
+    # After inference_mode(False), with no autograd history (a graph node would hold the
+    # parameters alive): the op itself below autograd, skipping the public wrapper's checks and
+    # routing (ModelNew checked its arguments), host time at every parameter update; the public
+    # op where forward-mode AD or a torch.func transform is active (its tangent check, its
+    # transform path).
+    if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+        with torch.inference_mode(False), torch.no_grad():
+            pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
+    else:
+        with torch.inference_mode(False), torch._C._AutoDispatchBelowADInplaceOrView():
+            pooled_weight, pooled_bias = _FOLD(weight, bias, pool_kernel_size)
     prepared_weight = (prepared_copy(pooled_weight)
                        if prepare and reads_prepared(weight) else None)
     return pooled_weight, pooled_bias, prepared_weight
@@ -160,6 +167,12 @@ def _cacheable(weight: Tensor, bias: Optional[Tensor]) -> bool:
                 or (bias is not None and written_in_place_by_fsdp(bias)))
 
 
+def carries_tangent(weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether weight or bias carries a forward-mode AD tangent at the current dual level."""
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None
+               for t in (weight, bias))
+
+
 class Miss(NamedTuple):
     """What lookup read before a fold is made, from which store makes the fold's entry: the
     parameters' stamp and the optimizer steps counted then (a step after them makes the entry
@@ -175,8 +188,12 @@ def lookup(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int
     """(the entry's fold or None, a Miss or None). The fold is served while the parameters are
     unchanged; its prepared copy may be None (folded by a training call). The Miss, given with
     no fold or a fold without its copy, is what store needs to make the entry of a fold made
-    after this call; None where nothing may be cached (module docstring): no stamp, or CUDA-graph
-    capture."""
+    after this call; None where nothing may be cached (module docstring): no stamp, CUDA-graph
+    capture, or a forward-mode AD tangent on weight or bias (a dual tensor shares its primal's
+    storage and stamp: its primal's fold would drop the tangent, the output's silently zero; the
+    fold op, which cached_fold calls instead, refuses it naming the argument)."""
+    if forward_ad._current_level >= 0 and carries_tangent(weight, bias):
+        return None, None
     try:
         stamped = stamp(weight, bias)
     except RuntimeError:

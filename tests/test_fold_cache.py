@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 from torch.profiler import ProfilerActivity, profile
 
 from fused_pool_gelu import Model, ModelNew, ops
@@ -156,6 +157,43 @@ def test_the_cached_fold_has_no_autograd_history(device):
     model(_x(device)).sum().backward()
     for folded in model.folded_parameters():
         assert folded.grad_fn is None and not folded.requires_grad
+
+
+@pytest.mark.parametrize("cache", ["miss", "hit"])
+@pytest.mark.parametrize("parameter", ["weight", "bias"])
+def test_a_forward_mode_tangent_on_the_parameters_is_refused_not_served_from_the_cache(
+    parameter, cache, device
+):
+    # A dual tensor has its primal's storage and stamp: served the cached fold, the output's
+    # tangent would be silently dropped.
+    _, model = _models(device)
+    model.requires_grad_(False)
+    x = _x(device)
+    if cache == "hit":
+        model(x)
+    else:
+        model.invalidate_fold()
+    primal = getattr(model.matmul, parameter)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(primal, torch.randn_like(primal))
+        with pytest.raises(RuntimeError, match=rf"fused_pool_gelu\.fold: {parameter} carries a "
+                                               "forward-mode AD tangent"):
+            torch.func.functional_call(model, {f"matmul.{parameter}": dual}, (x,))
+
+
+def test_a_training_call_on_a_tensor_subclass_input_caches_a_plain_fold(device):
+    # The node folds together with x on a miss; a subclass x would give the fold its type, and
+    # every later call would be served subclass tensors.
+    class Tagged(torch.Tensor):
+        pass
+
+    _, model = _models(device)
+    x = _x(device)
+    out = model(x.as_subclass(Tagged))
+    assert type(out) is Tagged
+    assert all(type(t) is torch.Tensor for t in model.folded_parameters())
+    with torch.no_grad():
+        assert type(model(x)) is torch.Tensor
 
 
 def test_model_forward_checks_a_given_fold(device):
