@@ -109,13 +109,16 @@ static Tensor forward_without_kernel(const Tensor& x, const Tensor& weight,
 }
 
 static Tensor model_forward_without_kernel(const Tensor& x, const Tensor& weight,
-                                           const std::optional<Tensor>&, int64_t, double) {
+                                           const std::optional<Tensor>&, int64_t, double,
+                                           const std::optional<Tensor>&,
+                                           const std::optional<Tensor>&,
+                                           const std::optional<Tensor>&) {
   fail_without_kernel("model_forward", {{"x", &x}, {"weight", &weight}});
 }
 
 static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> model_forward_with_argmax_without_kernel(
     const Tensor& x, const Tensor& weight, const std::optional<Tensor>&, int64_t, double) {
-  fail_without_kernel("model_forward", {{"x", &x}, {"weight", &weight}});
+  fail_without_kernel("_model_forward_with_argmax", {{"x", &x}, {"weight", &weight}});
 }
 
 static std::tuple<Tensor, Tensor, Tensor> forward_backward_without_kernel(

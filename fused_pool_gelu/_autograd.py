@@ -309,10 +309,13 @@ def _model_forward_with_argmax_autograd(x, weight, bias, pool_kernel_size, scale
     # call that needs a gradient is one from elsewhere, and model_forward is the op to call.
     _check_no_tangents("_model_forward_with_argmax", ("x", "weight", "bias"), (x, weight, bias))
     if _needs_grad(x, weight, bias):
+        name = next(n for n, t in (("x", x), ("weight", weight), ("bias", bias))
+                    if t is not None and t.requires_grad)
         raise RuntimeError(
-            "fused_pool_gelu._model_forward_with_argmax: no gradient flows through this op (the "
-            "forward of model_forward's autograd node); call fused_pool_gelu.ops.model_forward, "
-            "which is differentiable, or run it under torch.no_grad()"
+            f"fused_pool_gelu._model_forward_with_argmax: {name} requires grad, but no gradient "
+            "flows through this op (the forward of model_forward's autograd node); call "
+            "fused_pool_gelu.ops.model_forward, which is differentiable, or run it under "
+            "torch.no_grad()"
         )
     with _below_autograd():
         return _model_forward_with_argmax(x, weight, bias, pool_kernel_size, scale)

@@ -386,19 +386,21 @@ class ModelNew(nn.Module):
                 if self._capturing() or _fold_cache.needs_recorded_fold(weight):
                     return ops.model_forward(x, weight, bias, pool_kernel_size, scale)
                 cached, miss = _fold_cache.lookup(weight, bias, pool_kernel_size)
-                if cached is not None:
-                    return _autograd.model_forward_on_cached_fold(
-                        x, weight, bias, pool_kernel_size, scale, cached[0], cached[1]
+                if cached is None and miss is not None and type(x) in (Tensor, nn.Parameter):
+                    # A miss: the node folds in the same call as its forward, and the cache keeps
+                    # that fold (one op call fewer than folding first, at every parameter
+                    # update). Not for a tensor subclass x, whose type the fold would take.
+                    fold_sink = []
+                    out = _autograd.model_forward_on_cached_fold(
+                        x, weight, bias, pool_kernel_size, scale, None, None, fold_sink
                     )
-                # A miss: the node folds in the same call as its forward, and the cache keeps
-                # that fold (one op call fewer than folding first, at every parameter update).
-                fold_sink = []
-                out = _autograd.model_forward_on_cached_fold(
-                    x, weight, bias, pool_kernel_size, scale, None, None, fold_sink
-                )
-                if miss is not None:
                     _fold_cache.store(miss, weight, bias, (*fold_sink[0], None))
-                return out
+                    return out
+                if cached is None:
+                    cached = self._folded(weight, bias, pool_kernel_size, prepare=False)
+                return _autograd.model_forward_on_cached_fold(
+                    x, weight, bias, pool_kernel_size, scale, cached[0], cached[1]
+                )
             if self._capturing():
                 pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
                 return ops.forward(x, pooled_weight, pooled_bias, scale)

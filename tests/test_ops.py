@@ -709,8 +709,9 @@ def test_model_forward_with_argmax_is_fold_then_forward_with_argmax_bit_for_bit(
 def test_model_forward_with_argmax_refuses_a_gradient(device, make_inputs):
     x, weight, bias = make_inputs(4, 16, 12, torch.float32, device)
     weight.requires_grad_(True)
-    with pytest.raises(RuntimeError, match=r"_model_forward_with_argmax: no gradient flows "
-                       r"through this op .* call fused_pool_gelu\.ops\.model_forward"):
+    with pytest.raises(RuntimeError, match=r"_model_forward_with_argmax: weight requires grad, "
+                       r"but no gradient flows through this op .* call "
+                       r"fused_pool_gelu\.ops\.model_forward"):
         _OPS._model_forward_with_argmax(x, weight, bias, 3, 2.0)
     with torch.no_grad():
         out = _OPS._model_forward_with_argmax(x, weight, bias, 3, 2.0)[0]

@@ -121,21 +121,17 @@ def _assert_matches_unsharded(sharded, full, x, grad_out, tol, equal_nan=False):
 @contextlib.contextmanager
 def _path_taken():
     """Counts the folds of ModelNew's fused path (the plan's included) and the calls of Model's
-    computation. A fold is made by ops.fold, by ops.model_forward when it is not given one, and by
-    the ops that the fold cache and the training node call directly (fold;
-    _model_forward_with_argmax, which folds)."""
+    computation. A fold is counted at the ops that fold: ops.fold, the fold cache's own fold call,
+    and the training node's _model_forward_with_argmax."""
     counts = {"fused": 0, "reference": 0}
-    patched = [(fused_pool_gelu.ops, "fold"), (fused_pool_gelu.ops, "model_forward"),
-               (_fold_cache, "_FOLD"), (_autograd, "_model_forward_with_argmax")]
+    patched = [(fused_pool_gelu.ops, "fold"), (_fold_cache, "_FOLD"),
+               (_autograd, "_model_forward_with_argmax")]
     real = {(module, name): getattr(module, name) for module, name in patched}
     real_reference = ModelNew._reference_forward
 
     def counting(module, name):
         def call(*args, **kwargs):
-            given_fold = name == "model_forward" and (
-                (len(args) > 5 and args[5] is not None) or "pooled_weight" in kwargs)
-            if not given_fold:
-                counts["fused"] += 1
+            counts["fused"] += 1
             return real[module, name](*args, **kwargs)
         return call
 
