@@ -16,7 +16,8 @@ in-place change or optimizer step replaces it. It holds weak references to the s
 freed model's memory past the next miss. Not cached, folded at every call: FSDP2's unsharded
 parameters (written in place with their version counter kept), tensor subclasses (fake and
 functional tensors while tracing, DTensors), and calls under CUDA-graph capture, whose replays must
-follow later parameter updates. Writes that bypass the version counter outside an optimizer step
+follow later parameter updates; parameters that carry a forward-mode AD tangent go to the fold op,
+which refuses them (a dual tensor has its primal's stamp). Writes that bypass the version counter outside an optimizer step
 (through ``.data`` or ``.detach()``, in-place collectives such as ``dist.broadcast(p.detach())``,
 NumPy or DLPack views) are not seen: ``ModelNew.invalidate_fold()`` drops the parameters' entries.
 
