@@ -17,9 +17,10 @@ freed model's memory past the next miss. Not cached, folded at every call: FSDP2
 parameters (written in place with their version counter kept), tensor subclasses (fake and
 functional tensors while tracing, DTensors), and calls under CUDA-graph capture, whose replays must
 follow later parameter updates; parameters that carry a forward-mode AD tangent go to the fold op,
-which refuses them (a dual tensor has its primal's stamp). Writes that bypass the version counter outside an optimizer step
-(through ``.data`` or ``.detach()``, in-place collectives such as ``dist.broadcast(p.detach())``,
-NumPy or DLPack views) are not seen: ``ModelNew.invalidate_fold()`` drops the parameters' entries.
+which refuses them (a dual tensor has its primal's stamp). Writes that bypass the version counter
+outside an optimizer step (through ``.data`` or ``.detach()``, in-place collectives such as
+``dist.broadcast(p.detach())``, NumPy or DLPack views) are not seen: ``ModelNew.invalidate_fold()``
+drops the parameters' entries.
 
 The op is tagged cudagraph_unsafe: inductor's CUDA graphs (mode="reduce-overhead", and
 "max-autotune") would replay its kernels on the fold cached when they were recorded; inductor runs
@@ -168,7 +169,7 @@ def _cacheable(weight: Tensor, bias: Optional[Tensor]) -> bool:
                 or (bias is not None and written_in_place_by_fsdp(bias)))
 
 
-def carries_tangent(weight: Tensor, bias: Optional[Tensor]) -> bool:
+def _carries_tangent(weight: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether weight or bias carries a forward-mode AD tangent at the current dual level."""
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None
                for t in (weight, bias))
@@ -193,7 +194,7 @@ def lookup(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int
     capture, or a forward-mode AD tangent on weight or bias (a dual tensor shares its primal's
     storage and stamp: its primal's fold would drop the tangent, the output's silently zero; the
     fold op, which cached_fold calls instead, refuses it naming the argument)."""
-    if forward_ad._current_level >= 0 and carries_tangent(weight, bias):
+    if forward_ad._current_level >= 0 and _carries_tangent(weight, bias):
         return None, None
     try:
         stamped = stamp(weight, bias)
