@@ -5,7 +5,8 @@
 #   make wheels   the wheels users install: dist/cpu/*.whl and dist/cu130/*.whl (manylinux, abi3,
 #                 the LibTorch stable ABI: one wheel for every torch from setup.py's TORCH_TARGET)
 # Knobs: PYTHON, VENV, TORCH_SPEC, CUDA_HOME, TORCH_CUDA_ARCH_LIST, MAX_JOBS (see setup.py),
-# PYTEST_ARGS (added to make test's pytest command), WHEEL_ARCH_LIST (the CUDA wheel's archs).
+# PYTEST_ARGS (added to make test's pytest command), WHEEL_ARCH_LIST (the CUDA wheel's archs),
+# NODE_TORCH (the torch releases whose C++ autograd node the wheels carry).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -28,9 +29,16 @@ WHEEL_ARCH_LIST ?= 8.0;9.0a;9.0+PTX
 # torch's and CUDA's own libraries: the installed torch provides them at run time, so the wheels
 # neither carry nor pin them (auditwheel would otherwise copy them in).
 AUDITWHEEL_EXCLUDES := --exclude 'libtorch*.so' --exclude 'libc10*.so' --exclude 'libcudart.so*'
+# The wheels carry model_forward's C++ autograd node for each of these torch releases' minor
+# versions (csrc/autograd_node/, built against each one's headers, fetched into NODE_HEADERS); under
+# any other torch, training records the Python node (same results, more host time per step).
+NODE_TORCH ?= 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1
+NODE_HEADERS := .torch-headers
+empty :=
+NODE_TREES := $(subst $(empty) $(empty),:,$(strip $(foreach v,$(NODE_TORCH),$(abspath $(NODE_HEADERS)/$(basename $(v))))))
 export CUDA_HOME MAX_JOBS
 
-.PHONY: run test wheel install clean wheels wheel-cpu wheel-cuda
+.PHONY: run test wheel install clean wheels wheel-cpu wheel-cuda node-headers
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -57,16 +65,20 @@ sdist: $(STAMP)
 
 wheels: wheel-cpu wheel-cuda
 
-wheel-cpu: sdist
+node-headers: $(STAMP)
+	$(if $(NODE_TORCH),$(BIN)/python scripts/torch_headers.py $(NODE_HEADERS) $(NODE_TORCH))
+
+wheel-cpu: sdist node-headers
 	rm -rf build dist/cpu dist/raw-cpu
-	FUSED_POOL_GELU_CUDA=0 $(BIN)/python -m pip wheel -q --no-build-isolation --no-deps \
+	FUSED_POOL_GELU_CUDA=0 FUSED_POOL_GELU_TORCH_HEADERS="$(NODE_TREES)" $(BIN)/python -m pip wheel -q --no-build-isolation --no-deps \
 		-w dist/raw-cpu dist/fused_pool_gelu-*.tar.gz
 	PATH="$(BIN):$$PATH" $(BIN)/python -m auditwheel repair $(AUDITWHEEL_EXCLUDES) -w dist/cpu dist/raw-cpu/*.whl
 	rm -rf dist/raw-cpu
 
-wheel-cuda: sdist
+wheel-cuda: sdist node-headers
 	rm -rf build dist/cu130 dist/raw-cu130
 	FUSED_POOL_GELU_CUDA=1 TORCH_CUDA_ARCH_LIST="$(WHEEL_ARCH_LIST)" \
+		FUSED_POOL_GELU_TORCH_HEADERS="$(NODE_TREES)" \
 		$(BIN)/python -m pip wheel -q --no-build-isolation --no-deps -w dist/raw-cu130 \
 		dist/fused_pool_gelu-*.tar.gz
 	PATH="$(BIN):$$PATH" $(BIN)/python -m auditwheel repair $(AUDITWHEEL_EXCLUDES) -w dist/cu130 dist/raw-cu130/*.whl
@@ -80,4 +92,4 @@ run: install
 	cd tests && $(BIN)/python -m fused_pool_gelu
 
 clean:
-	rm -rf build dist *.egg-info $(VENV)
+	rm -rf build dist *.egg-info $(VENV) $(NODE_HEADERS)

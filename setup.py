@@ -18,6 +18,12 @@ Knobs (environment variables):
   MAX_JOBS               parallel compile jobs (ninja).
   NVCC_THREADS           nvcc --threads per job (default 2).
   DEBUG=1                -O0 -g host code, -g -G device code (unoptimised, for debuggers).
+  FUSED_POOL_GELU_TORCH_HEADERS
+                         other torch versions' C++ headers: directories named <major>.<minor>,
+                         each holding that torch's include/ tree, separated by ":" (made by
+                         scripts/torch_headers.py; `make wheels` passes them). A C++ autograd
+                         node for model_forward is built against each, beside the one for the
+                         torch that builds (csrc/autograd_node/).
 
 The decision is made from torch.version.cuda and the toolkit on disk, never from
 torch.cuda.is_available(): a build machine usually has no GPU.
@@ -29,7 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
 # The oldest torch whose LibTorch stable ABI (torch/csrc/stable, torch/headeronly) has everything
@@ -212,6 +218,47 @@ def _extension():
     )
 
 
+def _model_forward_nodes():
+    """csrc/autograd_node/, built once per torch minor version against that version's own headers
+    (full C++ API, no stable ABI): fused_pool_gelu/_model_forward_node_torch<major>_<minor>.so,
+    which _autograd.py loads under that torch. The torch that builds gives its own headers; the
+    others come from FUSED_POOL_GELU_TORCH_HEADERS. No Python and no device code: one node serves
+    every Python and both the CPU and the CUDA builds of its torch. It links against the build
+    torch's libc10 and libtorch_cpu only for their names (DT_NEEDED), which resolve to the running
+    torch's libraries at load time."""
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    own = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    headers = {(own[1], own[2]): include_paths()}
+    for entry in filter(None, os.environ.get("FUSED_POOL_GELU_TORCH_HEADERS", "").split(":")):
+        tree = Path(entry).resolve()
+        version = re.fullmatch(r"(\d+)\.(\d+)", tree.name)
+        if version is None or not (tree / "include" / "torch").is_dir():
+            sys.exit(f"fused_pool_gelu: FUSED_POOL_GELU_TORCH_HEADERS names {entry}, which is not "
+                     "a <major>.<minor> directory holding a torch include/ tree (made by "
+                     "scripts/torch_headers.py)")
+        headers.setdefault((version[1], version[2]),
+                           [str(tree / "include"),
+                            str(tree / "include" / "torch" / "csrc" / "api" / "include")])
+    debug = os.environ.get("DEBUG", "0") == "1"
+    node_dir = ROOT / "csrc" / "autograd_node"
+    return [
+        Extension(
+            f"fused_pool_gelu._model_forward_node_torch{major}_{minor}",
+            [str((node_dir / "model_forward_node.cpp").relative_to(ROOT))],
+            include_dirs=[str(node_dir)] + includes,
+            library_dirs=library_paths(),
+            libraries=["c10", "torch_cpu"],
+            # torch's headers need C++20 from 2.13 on and compile under it before.
+            extra_compile_args={"cxx": ["-std=c++20"] + (["-O0", "-g"] if debug else ["-O2", "-g0"])},
+            language="c++",
+            py_limited_api=True,
+        )
+        for (major, minor), includes in sorted(headers.items())
+    ]
+
+
 def _build_ext():
     from torch.utils.cpp_extension import BuildExtension
 
@@ -251,7 +298,7 @@ setup(
     name="fused_pool_gelu",
     version=_version(),
     packages=find_packages(include=["fused_pool_gelu", "fused_pool_gelu.*"]),
-    ext_modules=[_extension()],
+    ext_modules=[_extension()] + _model_forward_nodes(),
     cmdclass={"build_ext": _build_ext()},
     # The module stub uses only the stable C API (py_limited_api above), which torch's
     # cpp_extension compiles against CPython 3.10's (-DPy_LIMITED_API=0x030A0000): one wheel serves

@@ -49,7 +49,9 @@ def build_info() -> dict:
     Keys: version; torch (the torch the binary was compiled with), torch_target (the oldest torch
     whose stable ABI it uses: it runs with that torch and every later one), cuda / cuda_archs /
     with_cuda / debug as compiled into the binary; torch_runtime (the torch imported now);
-    cuda_kernels (CUDA kernels registered);
+    cuda_kernels (CUDA kernels registered); model_forward_node: which autograd node ModelNew's
+    training step records, "C++ (<file>)" where the package holds one built for the running
+    torch, else "Python" (same results, more host time per step);
     cuda_available and device (the GPU that would run them, if any).
     """
     compiled = _C.compiled_build_info()
@@ -60,6 +62,8 @@ def build_info() -> dict:
     info["cuda_kernels"] = torch._C._dispatch_has_kernel_for_dispatch_key(
         "fused_pool_gelu::forward_with_argmax", "CUDA"
     )
+    node = _autograd.MODEL_FORWARD_NODE
+    info["model_forward_node"] = f"C++ ({node.rsplit('/', 1)[-1]})" if node else "Python"
     info["cuda_available"] = torch.cuda.is_available()
     info["device"] = torch.cuda.get_device_name() if info["cuda_available"] else "cpu"
     return info

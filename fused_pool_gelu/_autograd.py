@@ -1,7 +1,9 @@
 """The ops' autograd kernels: their derivatives, and the refusal of forward-mode AD.
 
 The compiled library holds only device kernels (the LibTorch stable ABI has no autograd), so every
-op's Autograd-key kernel is registered here. Each one first refuses a forward-mode tangent on any
+op's Autograd-key kernel is registered here, but for model_forward's where the wheel holds a C++
+node built for the running torch (csrc/autograd_node/: ModelNew's training step, whose host time
+counts at small batch; `MODEL_FORWARD_NODE` says which one runs). Each one first refuses a forward-mode tangent on any
 tensor argument (the ops have no forward-mode formula: a tangent reaching a kernel would be
 dropped, the result's tangent silently zero; torch.func's jvp shows its tangents at this key and
 not below it), then either records one autograd node (grad mode on and an input requiring grad) or
@@ -20,11 +22,15 @@ what the node saves.
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
+from pathlib import Path
 
 import torch
 from torch import _C
 from torch.autograd import forward_ad
 
+from . import _C as _extension
 from ._checks import check_model_forward_folded, check_model_forward_inputs
 
 _ops = torch.ops.fused_pool_gelu
@@ -265,7 +271,7 @@ class _ModelForward(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None, None, None
 
 
-def model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
+def _model_forward_autograd_python(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
                            pooled_bias=None, prepared_weight=None):
     check_model_forward_inputs(x, weight)
     if pooled_weight is not None or pooled_bias is not None or prepared_weight is not None:
@@ -280,8 +286,8 @@ def model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weig
                                   pooled_bias, prepared_weight)
 
 
-def model_forward_on_cached_fold(x, weight, bias, pool_kernel_size, scale, pooled_weight,
-                                 pooled_bias, fold_sink=None):
+def _model_forward_on_cached_fold_python(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                                         pooled_bias, fold_sink=None):
     """ModelNew's eager training call: model_forward's autograd node on the fold that ModelNew's
     cache made of this weight, bias and pool_kernel_size (nothing of it to check), or, with
     pooled_weight and pooled_bias None, on the fold it makes, which it appends to fold_sink for
@@ -336,6 +342,51 @@ def _certified_candidate_counts_autograd(x, weight, bias, scale):
         return _ops._certified_candidate_counts(x, weight, bias, scale)
 
 
+def _load_model_forward_node():
+    """The path of the C++ model_forward node loaded for the running torch, or None.
+
+    Each node (fused_pool_gelu/_model_forward_node_torch<major>_<minor>.so) is built against one
+    torch's own C++ headers, whose ABI holds across that minor version's releases: it is loaded
+    under a release of that version, or under exactly the torch the wheel was built with (a
+    source build against a pre-release). Anything else, or a node that fails to load, gets the
+    Python node: same values and gradients, more host time per training step."""
+    release = re.fullmatch(r"(\d+)\.(\d+)\.\d+", torch.__version__.split("+")[0])
+    built_with = _extension.compiled_build_info()["torch"]
+    minor = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if minor is None:
+        return None
+    path = Path(__file__).with_name(f"_model_forward_node_torch{minor[1]}_{minor[2]}.so")
+    if not path.exists() or (release is None and torch.__version__ != built_with):
+        return None
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        warnings.warn(
+            f"fused_pool_gelu: the C++ autograd node built for torch {minor[0]} ({path.name}) did "
+            f"not load under torch {torch.__version__} ({error}); training uses the Python node "
+            "instead (same results, more host time per step)",
+            stacklevel=2,
+        )
+        return None
+    return str(path)
+
+
+MODEL_FORWARD_NODE = _load_model_forward_node()
+if MODEL_FORWARD_NODE is not None:
+    # The node is model_forward's Autograd kernel: the op itself, with C++ checks.
+    model_forward_autograd = _ops.model_forward.default
+
+    def model_forward_on_cached_fold(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                                     pooled_bias):
+        # ModelNew's training call on its cached fold (the C++ node keeps a fold it makes to
+        # itself: ModelNew folds through its cache first, as fold_sink is the Python node's).
+        return model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                                      pooled_bias, None)
+else:
+    model_forward_autograd = _model_forward_autograd_python
+    model_forward_on_cached_fold = _model_forward_on_cached_fold_python
+
+
 for _name, _kernel in (
     ("fold", fold_autograd),
     ("fold_backward", _fold_backward_autograd),
@@ -343,9 +394,10 @@ for _name, _kernel in (
     ("forward", forward_autograd),
     ("forward_backward", _forward_backward_autograd),
     ("model_backward", _model_backward_autograd),
-    ("model_forward", model_forward_autograd),
     ("_model_forward_with_argmax", _model_forward_with_argmax_autograd),
     ("prepare_weight", _prepare_weight_autograd),
     ("_certified_candidate_counts", _certified_candidate_counts_autograd),
 ):
     _lib.impl(_name, _kernel, "Autograd")
+if MODEL_FORWARD_NODE is None:
+    _lib.impl("model_forward", model_forward_autograd, "Autograd")

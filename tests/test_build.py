@@ -51,6 +51,7 @@ def test_build_info_has_its_documented_keys_and_types():
         "debug": bool,
         "torch_runtime": str,
         "cuda_kernels": bool,
+        "model_forward_node": str,
         "cuda_available": bool,
         "device": str,
     }
