@@ -30,9 +30,11 @@ WHEEL_ARCH_LIST ?= 8.0;9.0a;9.0+PTX
 # neither carry nor pin them (auditwheel would otherwise copy them in).
 AUDITWHEEL_EXCLUDES := --exclude 'libtorch*.so' --exclude 'libc10*.so' --exclude 'libcudart.so*'
 # The wheels carry model_forward's C++ autograd node for each of these torch releases' minor
-# versions (csrc/autograd_node/, built against each one's headers, fetched into NODE_HEADERS); under
-# any other torch, training records the Python node (same results, more host time per step).
-NODE_TORCH ?= 2.10.0 2.11.0 2.12.1 2.13.0 2.14.1
+# versions (csrc/autograd_node/, built against each one's headers, fetched into NODE_HEADERS), loaded
+# under every release of that minor version; under any other torch, training records the Python
+# node (same results, more host time per step). The x.y.0 headers: a later patch release may add
+# to the C++ API, not take from it.
+NODE_TORCH ?= 2.10.0 2.11.0 2.12.0 2.13.0 2.14.0
 NODE_HEADERS := .torch-headers
 empty :=
 NODE_TREES := $(subst $(empty) $(empty),:,$(strip $(foreach v,$(NODE_TORCH),$(abspath $(NODE_HEADERS)/$(basename $(v))))))

@@ -250,8 +250,9 @@ def _model_forward_nodes():
             include_dirs=[str(node_dir)] + includes,
             library_dirs=library_paths(),
             libraries=["c10", "torch_cpu"],
-            # torch's headers need C++20 from 2.13 on and compile under it before.
-            extra_compile_args={"cxx": ["-std=c++20"] + (["-O0", "-g"] if debug else ["-O2", "-g0"])},
+            # Recent torch headers need C++20 (2.14's do); older ones compile under it too.
+            extra_compile_args={"cxx": ["-std=c++20"]
+                                + (["-O0", "-g"] if debug else ["-O2", "-g0"])},
             language="c++",
             py_limited_api=True,
         )

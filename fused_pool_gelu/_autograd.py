@@ -3,20 +3,20 @@
 The compiled library holds only device kernels (the LibTorch stable ABI has no autograd), so every
 op's Autograd-key kernel is registered here, but for model_forward's where the wheel holds a C++
 node built for the running torch (csrc/autograd_node/: ModelNew's training step, whose host time
-counts at small batch; `MODEL_FORWARD_NODE` says which one runs). Each one first refuses a forward-mode tangent on any
-tensor argument (the ops have no forward-mode formula: a tangent reaching a kernel would be
-dropped, the result's tangent silently zero; torch.func's jvp shows its tangents at this key and
-not below it), then either records one autograd node (grad mode on and an input requiring grad) or
-calls the device kernel below autograd. The public wrappers (ops.py) call the kernels of fold,
-forward, forward_with_argmax and model_forward directly when eager: the same work without the
-dispatcher's round trip into Python, host time that counts at small batch.
+counts at small batch; `MODEL_FORWARD_NODE` says which one runs). Each one first refuses a
+forward-mode tangent on any tensor argument (the ops have no forward-mode formula: a tangent
+reaching a kernel would be dropped, the result's tangent silently zero; torch.func's jvp shows its
+tangents at this key and not below it), then either records one autograd node (grad mode on and an
+input requiring grad) or calls the device kernel below autograd. The public wrappers (ops.py)
+call the kernels of fold, forward, forward_with_argmax and model_forward directly when eager: the
+same work without the dispatcher's round trip into Python, host time that counts at small batch.
 
 fold and fold_backward are adjoint linear maps, so each is the other's derivative (double backward
 of the fold comes for free). forward_with_argmax's derivative is the arg-max backward (no dense
-GEMM); forward goes through forward_with_argmax when a gradient is needed. model_forward is fold and
-forward_with_argmax in one node (forward_with_argmax alone on a fold the caller gives) whose backward
-is model_backward; that node's forward calls _model_forward_with_argmax, which folds and returns
-what the node saves.
+GEMM); forward goes through forward_with_argmax when a gradient is needed. model_forward is fold
+and forward_with_argmax in one node (forward_with_argmax alone on a fold the caller gives) whose
+backward is model_backward; that node's forward calls _model_forward_with_argmax, which folds and
+returns what the node saves.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ class _ModelForward(torch.autograd.Function):
 
 
 def _model_forward_autograd_python(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
-                           pooled_bias=None, prepared_weight=None):
+                                   pooled_bias=None, prepared_weight=None):
     check_model_forward_inputs(x, weight)
     if pooled_weight is not None or pooled_bias is not None or prepared_weight is not None:
         check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,

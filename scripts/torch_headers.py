@@ -4,8 +4,9 @@
 
 For each version: `pip download --no-deps torch==<version>` from the configured index (any build
 of it: the headers the node uses are the same in the CPU and CUDA builds), then its torch/include
-tree to OUT_DIR/<major>.<minor>/include, and the wheel is deleted. A version already there is
-skipped. setup.py builds a node against each tree when FUSED_POOL_GELU_TORCH_HEADERS=OUT_DIR
+tree to OUT_DIR/<major>.<minor>/include, with the version in OUT_DIR/<major>.<minor>/version, and
+the wheel is deleted. A tree of that version already there is kept; one of another release of the
+same minor version is replaced. setup.py builds a node against each tree when FUSED_POOL_GELU_TORCH_HEADERS=OUT_DIR
 (`make wheels` does both).
 """
 
@@ -23,9 +24,11 @@ def fetch(out_dir: Path, version: str) -> None:
     if release is None:
         sys.exit(f"torch_headers.py: a version must be a release like 2.14.1, got {version!r}")
     tree = out_dir / f"{release[1]}.{release[2]}"
-    if (tree / "include" / "torch").is_dir():
+    stamp = tree / "version"
+    if stamp.exists() and stamp.read_text().strip() == version:
         print(f"torch {version}: headers already in {tree}")
         return
+    shutil.rmtree(tree, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                         "--only-binary", ":all:", "-d", tmp, f"torch=={version}"], check=True)
@@ -34,8 +37,9 @@ def fetch(out_dir: Path, version: str) -> None:
         with zipfile.ZipFile(wheel) as archive:
             members = [m for m in archive.namelist() if m.startswith("torch/include/")]
             archive.extractall(staging, members)
-        tree.mkdir(parents=True, exist_ok=True)
+        tree.mkdir(parents=True)
         shutil.move(str(staging / "torch" / "include"), str(tree / "include"))
+        stamp.write_text(version + "\n")
     print(f"torch {version}: {len(members)} headers in {tree}")
 
 

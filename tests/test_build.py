@@ -159,7 +159,8 @@ def test_the_source_distribution_holds_every_source_file(tmp_path):
     # *.egg-info/SOURCES.txt lists, which would hide a file missing from MANIFEST.in.
     source = tmp_path / "source"
     shutil.copytree(REPO_ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "variants", "__pycache__"))
+        ".git", ".venv", "build", "dist", "*.egg-info", "variants", "__pycache__",
+        ".torch-headers"))
     command = [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir",
                str(tmp_path), str(source)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -1,8 +1,12 @@
 // model_forward's input checks on the full C++ API (at::Tensor), for its autograd node
 // (model_forward_node.cpp), which is built against each torch's own headers and cannot include
 // ../checks.h (the stable ABI's Tensor). The same conditions and messages as ../checks.h's
-// check_model_forward_inputs and check_model_forward_folded, and fused_pool_gelu/_checks.py's, which
-// the Python node runs where this one is not built: the tests run each build's node against them.
+// check_model_forward_inputs and check_model_forward_folded and as fused_pool_gelu/_checks.py's,
+// which the Python node runs (tests/test_autograd_node.py compares the two nodes' errors).
+//
+// Sizes are read as sym_size and messages print sym_sizes: under torch.compile and torch.export the
+// tensors have symbolic sizes, and size() or sizes() would fix every one of them (the batch
+// included) to the traced value, as the Python node's `.shape` does not.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,7 +25,7 @@ inline void check_rank(const char* op, const char* name, const at::Tensor& t, in
                        const char* layout) {
   check_defined(op, name, t);
   TORCH_CHECK(t.dim() == rank, "fused_pool_gelu.", op, ": ", name, " must be ", rank, "-D ",
-              layout, ", got shape ", t.sizes());
+              layout, ", got shape ", t.sym_sizes());
 }
 
 // Forward-mode AD has no formula for these ops (a tangent would be dropped, the result's tangent
@@ -55,9 +59,9 @@ inline void check_same_dtype(const char* op, const char* name, const at::Tensor&
 inline void check_model_forward_inputs(const at::Tensor& x, const at::Tensor& weight) {
   check_rank("model_forward", "x", x, 2, "[batch, in_features]");
   check_rank("model_forward", "weight", weight, 2, "[out_features, in_features]");
-  TORCH_CHECK(weight.size(1) == x.size(1), "fused_pool_gelu.model_forward: weight must be "
-              "[out_features, in_features] with in_features = x.size(1) = ", x.size(1),
-              ", got shape ", weight.sizes());
+  TORCH_CHECK(weight.sym_size(1) == x.sym_size(1), "fused_pool_gelu.model_forward: weight must "
+              "be [out_features, in_features] with in_features = x.size(1) = ", x.sym_size(1),
+              ", got shape ", weight.sym_sizes());
 }
 
 // fold's checks of weight, bias and k (a given fold skips fold, and its shape needs a valid k).
@@ -66,14 +70,14 @@ inline void check_fold_inputs(const at::Tensor& weight, const std::optional<at::
   check_rank("fold", "weight", weight, 2, "[out_features, in_features]");
   TORCH_CHECK(pool_kernel_size >= 1,
               "fused_pool_gelu.fold: pool_kernel_size must be >= 1, got ", pool_kernel_size);
-  TORCH_CHECK(pool_kernel_size <= weight.size(0),
+  TORCH_CHECK(pool_kernel_size <= weight.sym_size(0),
               "fused_pool_gelu.fold: pool_kernel_size must be <= out_features (",
-              weight.size(0), ") so that at least one pooled feature exists, got ",
+              weight.sym_size(0), ") so that at least one pooled feature exists, got ",
               pool_kernel_size);
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0),
-                "fused_pool_gelu.fold: bias must be 1-D [out_features] = [", weight.size(0),
-                "], got shape ", bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0),
+                "fused_pool_gelu.fold: bias must be 1-D [out_features] = [", weight.sym_size(0),
+                "], got shape ", bias->sym_sizes());
     check_same_device("fold", "bias", *bias, "weight", weight);
     check_same_dtype("fold", "bias", *bias, "weight", weight);
   }
@@ -96,15 +100,15 @@ inline void check_model_forward_folded(const at::Tensor& weight,
               "must be given with it, got prepared_weight without pooled_weight");
   if (!pooled_weight.has_value()) return;
   check_fold_inputs(weight, bias, pool_kernel_size);
-  const int64_t rows = weight.size(0) / pool_kernel_size;
-  TORCH_CHECK(pooled_weight->dim() == 2 && pooled_weight->size(0) == rows &&
-                  pooled_weight->size(1) == weight.size(1),
+  const c10::SymInt rows = weight.sym_size(0) / pool_kernel_size;
+  TORCH_CHECK(pooled_weight->dim() == 2 && pooled_weight->sym_size(0) == rows &&
+                  pooled_weight->sym_size(1) == weight.sym_size(1),
               "fused_pool_gelu.model_forward: pooled_weight must be fold's [out_features // "
-              "pool_kernel_size, in_features] = [", rows, ", ", weight.size(1), "], got shape ",
-              pooled_weight->sizes());
-  TORCH_CHECK(pooled_bias->dim() == 1 && pooled_bias->size(0) == rows,
+              "pool_kernel_size, in_features] = [", rows, ", ", weight.sym_size(1),
+              "], got shape ", pooled_weight->sym_sizes());
+  TORCH_CHECK(pooled_bias->dim() == 1 && pooled_bias->sym_size(0) == rows,
               "fused_pool_gelu.model_forward: pooled_bias must be fold's [out_features // "
-              "pool_kernel_size] = [", rows, "], got shape ", pooled_bias->sizes());
+              "pool_kernel_size] = [", rows, "], got shape ", pooled_bias->sym_sizes());
   check_same_device("model_forward", "pooled_weight", *pooled_weight, "weight", weight);
   check_same_dtype("model_forward", "pooled_weight", *pooled_weight, "weight", weight);
   check_same_device("model_forward", "pooled_bias", *pooled_bias, "weight", weight);

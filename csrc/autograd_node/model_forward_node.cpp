@@ -111,7 +111,7 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
           call_model_forward_with_argmax(x, weight, bias, pool_kernel_size, scale);
     }
     ctx->save_for_backward({x, pooled_weight, argmax, preactivation});
-    ctx->saved_data["out_features"] = weight.size(0);
+    ctx->saved_data["out_features"] = weight.sym_size(0);  // symbolic under tracing
     ctx->saved_data["pool_kernel_size"] = pool_kernel_size;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["has_bias"] = bias.has_value();
@@ -142,7 +142,8 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
     if (needs_weight || needs_bias) {
       std::tie(grad_x, grad_weight, grad_bias) = call_model_backward(
           grad_outputs[0], x, pooled_weight, argmax, preactivation, scale,
-          ctx->saved_data["out_features"].toInt(), ctx->saved_data["pool_kernel_size"].toInt());
+          ctx->saved_data["out_features"].toSymInt().guard_int(__FILE__, __LINE__),
+          ctx->saved_data["pool_kernel_size"].toInt());
     } else {
       grad_x = std::get<0>(
           call_forward_backward(grad_outputs[0], x, pooled_weight, argmax, preactivation, scale));
@@ -158,7 +159,10 @@ at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   double scale, const OptionalTensor& pooled_weight,
                                   const OptionalTensor& pooled_bias,
                                   const OptionalTensor& prepared_weight) {
+  // In the Python node's order, so that the two report the same first error.
   check_model_forward_inputs(x, weight);
+  check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
+                             prepared_weight);
   check_no_tangent("model_forward", "x", x);
   check_no_tangent("model_forward", "weight", weight);
   if (bias.has_value()) check_no_tangent("model_forward", "bias", *bias);
@@ -170,8 +174,6 @@ at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
     return call_model_forward(x, weight, bias, pool_kernel_size, scale, pooled_weight,
                               pooled_bias, prepared_weight);
   }
-  check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
-                             prepared_weight);
   return ModelForward::apply(x, weight, bias, pool_kernel_size, scale, pooled_weight, pooled_bias,
                              prepared_weight);
 }
