@@ -10,9 +10,20 @@ Knobs (environment variables):
                          compute capability 8.x, Ampere and Ada; 9.0a is Hopper's, with the wgmma
                          kernels). Other GPUs need their own entry, or "+PTX" on one (compiled
                          just in time there, without the Hopper-only kernels).
+  FUSED_POOL_GELU_PTX_ONLY=1
+                         compile each TORCH_CUDA_ARCH_LIST entry ("9.0", no "a") to PTX alone, no
+                         binary: the driver JIT-compiles every kernel at load, as a GPU newer than
+                         the wheel's binaries does with its PTX. A test build (scripts/device_run.sh
+                         test-ptx), without the Hopper-only kernels (they have no PTX).
   MAX_JOBS               parallel compile jobs (ninja).
   NVCC_THREADS           nvcc --threads per job (default 2).
   DEBUG=1                -O0 -g host code, -g -G device code (unoptimised, for debuggers).
+  FUSED_POOL_GELU_TORCH_HEADERS
+                         other torch versions' C++ headers: directories named <major>.<minor>,
+                         each holding that torch's include/ tree, separated by ":" (made by
+                         scripts/torch_headers.py; `make wheels` passes them). A C++ autograd
+                         node for model_forward is built against each, beside the one for the
+                         torch that builds (csrc/autograd_node/).
 
 The decision is made from torch.version.cuda and the toolkit on disk, never from
 torch.cuda.is_available(): a build machine usually has no GPU.
@@ -24,9 +35,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
+# The oldest torch whose LibTorch stable ABI (torch/csrc/stable, torch/headeronly) has everything
+# csrc/ calls: the binary loads under it and every later torch (parallel_for, empty, to,
+# contiguous, the stable dispatcher and STD_CUDA_CHECK are 2.10's). The wheel requires it.
+TORCH_TARGET = (2, 10)
 DEFAULT_ARCH_LIST = "8.0;9.0a"
 # Sources compiled for sm_90a only (wgmma kernels).
 SM90A_SUFFIX = "_sm90a.cu"
@@ -84,6 +99,23 @@ def _has_sm90a(arch_list: str) -> bool:
     return any(a.split("+")[0] == "9.0a" for a in re.split(r"[;\s]+", arch_list.strip()) if a)
 
 
+def _ptx_only_gencode(arch_list: str) -> list:
+    """nvcc flags for FUSED_POOL_GELU_PTX_ONLY=1: compute_XY PTX for each "X.Y" entry."""
+    flags = []
+    for entry in (a for a in re.split(r"[;\s]+", arch_list.strip()) if a):
+        arch = entry.split("+")[0]
+        if not re.fullmatch(r"\d+\.\d", arch):
+            sys.exit(f"fused_pool_gelu: FUSED_POOL_GELU_PTX_ONLY=1 takes TORCH_CUDA_ARCH_LIST "
+                     f'entries like "9.0" (PTX of a virtual architecture), got "{entry}" (the '
+                     f'default list is "{DEFAULT_ARCH_LIST}": set one)')
+        flags.append(f"-gencode=arch=compute_{arch.replace('.', '')},"
+                     f"code=compute_{arch.replace('.', '')}")
+    if not flags:  # torch would then add binaries of its own choosing
+        sys.exit("fused_pool_gelu: FUSED_POOL_GELU_PTX_ONLY=1 needs TORCH_CUDA_ARCH_LIST to name "
+                 'the PTX targets (e.g. "9.0"), got an empty list')
+    return flags
+
+
 def _want_cuda(torch_cuda, cuda_home) -> bool:
     mode = os.environ.get("FUSED_POOL_GELU_CUDA", "auto").lower()
     if mode in ("0", "false", "no", "off"):
@@ -119,14 +151,23 @@ def _extension():
 
     debug = os.environ.get("DEBUG", "0") == "1"
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else ""
+    ptx_only = with_cuda and os.environ.get("FUSED_POOL_GELU_PTX_ONLY", "0") == "1"
+    with_sm90a = _has_sm90a(archs) and not ptx_only
+    major, minor = TORCH_TARGET
     macros = [
+        # Only the stable ABI of TORCH_TARGET: newer stable APIs and every non-stable header
+        # (ATen, c10, torch/library.h) stay out of reach.
+        ("TORCH_TARGET_VERSION", f"0x{major:02x}{minor:02x}000000000000"),
+        ("FPG_TORCH_TARGET", f'"{major}.{minor}"'),
         ("FPG_TORCH_VERSION", f'"{torch.__version__}"'),
         ("FPG_CUDA_VERSION", f'"{torch.version.cuda if with_cuda else ""}"'),
-        ("FPG_CUDA_ARCHS", f'"{archs}"'),
-        ("FPG_WITH_SM90A", "1" if _has_sm90a(archs) else "0"),
+        ("FPG_CUDA_ARCHS", f'"{archs} (PTX only)"' if ptx_only else f'"{archs}"'),
+        ("FPG_WITH_SM90A", "1" if with_sm90a else "0"),
         ("FPG_WITH_CUDA", "1" if with_cuda else "0"),
         ("FPG_DEBUG", "1" if debug else "0"),
     ]
+    if with_cuda:
+        macros.append(("USE_CUDA", "1"))  # the stable ABI's CUDA shims (streams, error checks)
     host_flags = ["-O0", "-g"] if debug else ["-O3"]
     # No fused multiply-adds in host code: the CPU backward's sums round every product, as the CUDA
     # kernels' do, so that the two agree bit for bit (csrc/summation_order.h). x86-64 without
@@ -161,7 +202,9 @@ def _extension():
     # The *_sm90a.cu units hold only Hopper's wgmma kernels: compiled for sm_90a alone
     # (BuildExtension below), and left out of builds whose arch list lacks 9.0a.
     cuda_sources = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
-    if not _has_sm90a(archs):
+    if ptx_only:
+        nvcc_flags += _ptx_only_gencode(archs)  # torch adds no arch flags where these are
+    if not with_sm90a:
         cuda_sources = [p for p in cuda_sources if not p.name.endswith(SM90A_SUFFIX)]
     sources += [str(p.relative_to(ROOT)) for p in cuda_sources]
     return CUDAExtension(
@@ -173,6 +216,48 @@ def _extension():
         extra_link_args=link_args,
         py_limited_api=True,
     )
+
+
+def _model_forward_nodes():
+    """csrc/autograd_node/, built once per torch minor version against that version's own headers
+    (full C++ API, no stable ABI): fused_pool_gelu/_model_forward_node_torch<major>_<minor>.so,
+    which _autograd.py loads under that torch. The torch that builds gives its own headers; the
+    others come from FUSED_POOL_GELU_TORCH_HEADERS. No Python and no device code: one node serves
+    every Python and both the CPU and the CUDA builds of its torch. It links against the build
+    torch's libc10 and libtorch_cpu only for their names (DT_NEEDED), which resolve to the running
+    torch's libraries at load time."""
+    import torch
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    own = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    headers = {(own[1], own[2]): include_paths()}
+    for entry in filter(None, os.environ.get("FUSED_POOL_GELU_TORCH_HEADERS", "").split(":")):
+        tree = Path(entry).resolve()
+        version = re.fullmatch(r"(\d+)\.(\d+)", tree.name)
+        if version is None or not (tree / "include" / "torch").is_dir():
+            sys.exit(f"fused_pool_gelu: FUSED_POOL_GELU_TORCH_HEADERS names {entry}, which is not "
+                     "a <major>.<minor> directory holding a torch include/ tree (made by "
+                     "scripts/torch_headers.py)")
+        headers.setdefault((version[1], version[2]),
+                           [str(tree / "include"),
+                            str(tree / "include" / "torch" / "csrc" / "api" / "include")])
+    debug = os.environ.get("DEBUG", "0") == "1"
+    node_dir = ROOT / "csrc" / "autograd_node"
+    return [
+        Extension(
+            f"fused_pool_gelu._model_forward_node_torch{major}_{minor}",
+            [str((node_dir / "model_forward_node.cpp").relative_to(ROOT))],
+            include_dirs=[str(node_dir)] + includes,
+            library_dirs=library_paths(),
+            libraries=["c10", "torch_cpu"],
+            # Recent torch headers need C++20 (2.14's do); older ones compile under it too.
+            extra_compile_args={"cxx": ["-std=c++20"]
+                                + (["-O0", "-g"] if debug else ["-O2", "-g0"])},
+            language="c++",
+            py_limited_api=True,
+        )
+        for (major, minor), includes in sorted(headers.items())
+    ]
 
 
 def _build_ext():
@@ -214,7 +299,7 @@ setup(
     name="fused_pool_gelu",
     version=_version(),
     packages=find_packages(include=["fused_pool_gelu", "fused_pool_gelu.*"]),
-    ext_modules=[_extension()],
+    ext_modules=[_extension()] + _model_forward_nodes(),
     cmdclass={"build_ext": _build_ext()},
     # The module stub uses only the stable C API (py_limited_api above), which torch's
     # cpp_extension compiles against CPython 3.10's (-DPy_LIMITED_API=0x030A0000): one wheel serves

@@ -21,21 +21,14 @@
 // The CPU forward does not use it (it is validated and ignored there), nor do the CUDA paths other
 // than the certified one; every device makes the same layout.
 //
-// A prepared weight is tied to the tensor it was made from: forward checks that `weight` is a view
-// of the same storage with the same offset, sizes and strides, and that the storage's version
-// counter has not moved since (an in-place change, an optimizer step, load_state_dict), and raises
-// otherwise. What it cannot see: writes that bypass the version counter (through `.data`, or
-// another tensor over the same memory; any in-place edit of an inference tensor, which has no
-// version counter), and where a copy of a prepared weight came from (a
-// clone, a loaded one, the input copies of torch.compile's CUDA graphs and of opcheck): those are
-// trusted to match `weight`. Make a new prepared weight after any such write.
+// A prepared weight is tied to the tensor it was made from; the stable ABI shows neither a tensor's
+// storage nor its version counter, so that tie is kept in Python (fused_pool_gelu/_prepared.py):
+// the kernels check the layout alone.
 #pragma once
 
 #include <cstdint>
 
-namespace at {
-class Tensor;
-}  // namespace at
+#include "stable_tensor.h"
 
 namespace fused_pool_gelu {
 
@@ -82,11 +75,8 @@ constexpr int kPreparedNorm = 0;
 constexpr int kPreparedResidualNorm = 1;
 constexpr int kPreparedInverseScale = 2;
 
-// Remembers that `prepared` was made from `weight` as it is now (prepare_weight's kernels call it).
-void record_prepared_weight(const at::Tensor& prepared, const at::Tensor& weight);
-
-// Raises, naming `op`, unless `prepared` is a prepare_weight output made from `weight` as it is
-// now (device, dtype, shape, the same memory and no in-place change since).
-void check_prepared_weight(const char* op, const at::Tensor& prepared, const at::Tensor& weight);
+// Raises, naming `op`, unless `prepared` has the layout of a prepare_weight output for `weight`
+// (device, dtype, shape, not a view).
+void check_prepared_weight(const char* op, const Tensor& prepared, const Tensor& weight);
 
 }  // namespace fused_pool_gelu

@@ -3,61 +3,28 @@
 // The math (docs/design.md):
 //   fold:    pooled_weight[n] = mean_r weight[n*k + r],  pooled_bias[n] = mean_r bias[n*k + r]
 //   forward: out[b] = max_n scale * gelu(x[b] . pooled_weight[n] + pooled_bias[n])
-// Device kernels register themselves next to their code (csrc/cpu/*.cpp, csrc/cuda/*.cu), and so
-// do model_forward's kernels (csrc/model_forward.cpp); the fake kernels, autograd formulas and
-// autocast kernels registered from Python live in fused_pool_gelu/_fake.py, _autograd.py and
-// _autocast.py.
+// Device kernels register themselves next to their code (csrc/cpu/*.cpp, csrc/cuda/*.cu,
+// csrc/model_forward.cpp). Everything the stable ABI cannot express is registered from Python:
+// the autograd kernels (with their forward-mode AD checks), the fake kernels and the autocast
+// kernels (fused_pool_gelu/_autograd.py, _fake.py, _autocast.py).
 #include <Python.h>
 
-#include <ATen/core/Tensor.h>
-#include <ATen/core/grad_mode.h>
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/DispatchKeySet.h>
-#include <torch/library.h>
-
+#include <initializer_list>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "checks.h"
-#include "cuda/forward_plan.h"
 #include "debug_knobs.h"
-#include "op_calls.h"
+#include "stable_tensor.h"
+#if FPG_WITH_CUDA
+#include "cuda/forward_plan.h"
+#endif
 
 namespace fused_pool_gelu {
 
-// forward on a device: forward_with_argmax without the outputs kept for backward.
-static at::Tensor forward_kernel(const at::Tensor& x, const at::Tensor& weight,
-                                 const c10::optional<at::Tensor>& bias, double scale,
-                                 const c10::optional<at::Tensor>& prepared_weight) {
-  return std::get<0>(call_forward_with_argmax(x, weight, bias, scale, prepared_weight));
-}
-
-// forward's autograd kernel. When a gradient is needed it goes through forward_with_argmax, whose
-// derivative is registered in Python (_autograd.py); otherwise it dispatches straight to the device
-// kernel, skipping the Python autograd layer: microseconds that matter at small batch.
-static at::Tensor forward_autograd(const at::Tensor& x, const at::Tensor& weight,
-                                   const c10::optional<at::Tensor>& bias, double scale,
-                                   const c10::optional<at::Tensor>& prepared_weight) {
-  check_no_tangent("forward", "x", x);
-  check_no_tangent("forward", "weight", weight);
-  if (bias.has_value()) check_no_tangent("forward", "bias", *bias);
-  const bool needs_grad =
-      at::GradMode::is_enabled() &&
-      (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
-  if (needs_grad) return forward_kernel(x, weight, bias, scale, prepared_weight);
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return forward_kernel(x, weight, bias, scale, prepared_weight);
-}
-
-// prepare_weight's autograd kernel: not differentiable (a copy in another precision, for the
-// forward's selection only), so its output never carries a gradient function.
-static at::Tensor prepare_weight_autograd(const at::Tensor& weight) {
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return call_prepare_weight(weight);
-}
-
-TORCH_LIBRARY(fused_pool_gelu, m) {
+STABLE_TORCH_LIBRARY(fused_pool_gelu, m) {
   // One line each; the public ops' contracts in full: their wrappers' docstrings (ops.py).
   // Average-pool groups of k rows of a Linear's weight and bias (the O % k tail rows dropped).
   m.def("fold(Tensor weight, Tensor? bias, int pool_kernel_size) -> (Tensor, Tensor)");
@@ -85,83 +52,104 @@ TORCH_LIBRARY(fused_pool_gelu, m) {
       "model_backward(Tensor grad_out, Tensor x, Tensor pooled_weight, Tensor argmax, "
       "Tensor preactivation, float scale, int out_features, int pool_kernel_size) -> "
       "(Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
-  // forward(x, *fold(weight, bias, k), scale) as one C++ autograd node (ModelNew's training); a
+  // forward(x, *fold(weight, bias, k), scale): ModelNew's training path (one autograd node); a
   // caller that holds that fold (and its prepared copy) passes it instead of refolding.
   m.def(
       "model_forward(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, float scale, "
       "Tensor? pooled_weight=None, Tensor? pooled_bias=None, Tensor? prepared_weight=None) "
       "-> Tensor");
+  // model_forward's training forward: forward_with_argmax's outputs and the fold, which the
+  // Python autograd node saves and ModelNew caches (one call where the two ops would be two).
+  m.def(
+      "_model_forward_with_argmax(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, "
+      "float scale) -> (Tensor out, Tensor argmax, Tensor preactivation, Tensor pooled_weight, "
+      "Tensor pooled_bias)");
   // Diagnostics: per row, the columns the certified selection sends to rescoring (-1: all).
   m.def(
       "_certified_candidate_counts(Tensor x, Tensor weight, Tensor? bias, float scale) -> Tensor");
 }
 
-// prepare_weight where no kernel of its device is registered, and with weight None (a call with no
-// tensor lands here): the kernels' error instead of the dispatcher's.
-static at::Tensor prepare_weight_without_kernel(const at::Tensor& weight) {
-  check_defined("prepare_weight", "weight", weight);
-  TORCH_CHECK(false, "fused_pool_gelu.prepare_weight: weight must be on the CPU or a CUDA device, "
-              "got ", weight.device());
-}
-
-TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
-  m.impl("forward", &forward_kernel);
-  m.impl("prepare_weight", &prepare_weight_without_kernel);
-}
-
-TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
-  m.impl("forward", &forward_autograd);
-  m.impl("prepare_weight", &prepare_weight_autograd);
-}
-
-// torch.func's forward-mode transforms (jvp, jacfwd, hessian) run an op's autograd-level kernels
-// (Autograd, then ADInplaceOrView) at the transform's level, where an input's tangent is still
-// visible (_fw_grad(0) on functorch's wrapper), then unwrap the inputs and call the device kernel,
-// whose own check_no_tangent then sees none: without a check at these keys an op without a
-// forward-mode formula, as these are, returns a tangent of zeros with no error. forward and
-// model_forward check in their C++ autograd kernels (whose calls below autograd skip this key);
-// the ops whose autograd kernels are Python's (register_autograd in _autograd.py) check here, one
-// key below them. Inputs without a tangent (constants inside a transform) pass: their result's
-// zero tangent is the right one.
-// A call whose tensor arguments are all None reaches this key too (it is always in the dispatch
-// key set), and nothing below it: with no tensor there is no device to dispatch to. It gets the
-// error the kernels give for a None tensor, not the dispatcher's "no tensor arguments".
-static void check_arguments_and_redispatch(const c10::OperatorHandle& op,
-                                           c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const auto& arguments = op.schema().arguments();
-  const size_t first = stack->size() - arguments.size();
-  // The op's short name only for the errors: no string work on the calls that pass.
-  const auto op_name = [&op] {
-    const std::string& name = op.schema().name();  // "fused_pool_gelu::fold"
-    return name.substr(name.find("::") + 2);
-  };
-  bool any_tensor = false;
-  for (size_t i = 0; i < arguments.size(); ++i) {
-    const c10::IValue& value = (*stack)[first + i];
-    if (!value.isTensor() || !value.toTensor().defined()) continue;
-    any_tensor = true;
-    if (value.toTensor()._fw_grad(/*level=*/0).defined()) {
-      check_no_tangent(op_name().c_str(), arguments[i].name().c_str(), value.toTensor());
-    }
+// Each op where no kernel of its device is registered, and with all its tensors None (a call with
+// no tensor lands here): the kernels' error for the first tensor that is None, else for the device,
+// instead of the dispatcher's "There were no tensor arguments".
+[[noreturn]] static void fail_without_kernel(const char* op,
+                                             std::initializer_list<std::pair<const char*, const Tensor*>> tensors) {
+  const Tensor* first = nullptr;
+  for (const auto& [name, t] : tensors) {
+    check_defined(op, name, *t);
+    if (first == nullptr) first = t;
   }
-  if (!any_tensor) {
-    // Named as the kernels' checks name it (forward_with_argmax's as forward's: checks.h).
-    const std::string name = op_name() == "forward_with_argmax" ? "forward" : op_name();
-    for (size_t i = 0; i < arguments.size(); ++i) {
-      if (arguments[i].type()->kind() == c10::TypeKind::TensorType) {
-        check_defined(name.c_str(), arguments[i].name().c_str(), at::Tensor());
-      }
-    }
-  }
-  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  fail("fused_pool_gelu.", op, ": ", tensors.begin()->first,
+       " must be on the CPU or a CUDA device, got ", device_text(*first));
 }
 
-TORCH_LIBRARY_IMPL(fused_pool_gelu, ADInplaceOrView, m) {
-  // forward, model_forward and prepare_weight have kernels of their own that check (see above).
-  for (const char* op : {"fold", "fold_backward", "forward_with_argmax", "forward_backward",
-                         "model_backward", "_certified_candidate_counts"}) {
-    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&check_arguments_and_redispatch>());
-  }
+static std::tuple<Tensor, Tensor> fold_without_kernel(const Tensor& weight,
+                                                      const std::optional<Tensor>&, int64_t) {
+  fail_without_kernel("fold", {{"weight", &weight}});
+}
+
+static std::tuple<Tensor, Tensor> fold_backward_without_kernel(const Tensor& grad_pooled_weight,
+                                                               const Tensor& grad_pooled_bias,
+                                                               int64_t, int64_t) {
+  fail_without_kernel("fold_backward", {{"grad_pooled_weight", &grad_pooled_weight},
+                                        {"grad_pooled_bias", &grad_pooled_bias}});
+}
+
+// forward_with_argmax's errors are labelled forward (checks.h).
+static std::tuple<Tensor, Tensor, Tensor> forward_with_argmax_without_kernel(
+    const Tensor& x, const Tensor& weight, const std::optional<Tensor>&, double,
+    const std::optional<Tensor>&) {
+  fail_without_kernel("forward", {{"x", &x}, {"weight", &weight}});
+}
+
+static Tensor forward_without_kernel(const Tensor& x, const Tensor& weight,
+                                     const std::optional<Tensor>&, double,
+                                     const std::optional<Tensor>&) {
+  fail_without_kernel("forward", {{"x", &x}, {"weight", &weight}});
+}
+
+static Tensor model_forward_without_kernel(const Tensor& x, const Tensor& weight,
+                                           const std::optional<Tensor>&, int64_t, double,
+                                           const std::optional<Tensor>&,
+                                           const std::optional<Tensor>&,
+                                           const std::optional<Tensor>&) {
+  fail_without_kernel("model_forward", {{"x", &x}, {"weight", &weight}});
+}
+
+static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> model_forward_with_argmax_without_kernel(
+    const Tensor& x, const Tensor& weight, const std::optional<Tensor>&, int64_t, double) {
+  fail_without_kernel("_model_forward_with_argmax", {{"x", &x}, {"weight", &weight}});
+}
+
+static std::tuple<Tensor, Tensor, Tensor> forward_backward_without_kernel(
+    const std::optional<Tensor>&, const std::optional<Tensor>&, const Tensor& x,
+    const Tensor& weight, const Tensor& argmax, const Tensor& preactivation, double) {
+  fail_without_kernel("forward_backward", {{"x", &x}, {"weight", &weight}, {"argmax", &argmax},
+                                           {"preactivation", &preactivation}});
+}
+
+static std::tuple<Tensor, Tensor, Tensor> model_backward_without_kernel(
+    const Tensor& grad_out, const Tensor& x, const Tensor& pooled_weight, const Tensor& argmax,
+    const Tensor& preactivation, double, int64_t, int64_t) {
+  fail_without_kernel("model_backward",
+                      {{"grad_out", &grad_out}, {"x", &x}, {"pooled_weight", &pooled_weight},
+                       {"argmax", &argmax}, {"preactivation", &preactivation}});
+}
+
+static Tensor prepare_weight_without_kernel(const Tensor& weight) {
+  fail_without_kernel("prepare_weight", {{"weight", &weight}});
+}
+
+STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
+  m.impl("fold", TORCH_BOX(&fold_without_kernel));
+  m.impl("fold_backward", TORCH_BOX(&fold_backward_without_kernel));
+  m.impl("forward_with_argmax", TORCH_BOX(&forward_with_argmax_without_kernel));
+  m.impl("forward", TORCH_BOX(&forward_without_kernel));
+  m.impl("model_forward", TORCH_BOX(&model_forward_without_kernel));
+  m.impl("_model_forward_with_argmax", TORCH_BOX(&model_forward_with_argmax_without_kernel));
+  m.impl("forward_backward", TORCH_BOX(&forward_backward_without_kernel));
+  m.impl("model_backward", TORCH_BOX(&model_backward_without_kernel));
+  m.impl("prepare_weight", TORCH_BOX(&prepare_weight_without_kernel));
 }
 
 }  // namespace fused_pool_gelu
@@ -169,6 +157,9 @@ TORCH_LIBRARY_IMPL(fused_pool_gelu, ADInplaceOrView, m) {
 // Facts fixed when this binary was compiled (setup.py passes them as macros).
 #ifndef FPG_TORCH_VERSION
 #define FPG_TORCH_VERSION "unknown"
+#endif
+#ifndef FPG_TORCH_TARGET
+#define FPG_TORCH_TARGET "unknown"
 #endif
 #ifndef FPG_CUDA_VERSION
 #define FPG_CUDA_VERSION ""
@@ -184,8 +175,8 @@ TORCH_LIBRARY_IMPL(fused_pool_gelu, ADInplaceOrView, m) {
 #endif
 
 static PyObject* compiled_build_info(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:s,s:s,s:s,s:O,s:O}", "torch", FPG_TORCH_VERSION, "cuda",
-                       FPG_CUDA_VERSION, "cuda_archs", FPG_CUDA_ARCHS, "with_cuda",
+  return Py_BuildValue("{s:s,s:s,s:s,s:s,s:O,s:O}", "torch", FPG_TORCH_VERSION, "torch_target",
+                       FPG_TORCH_TARGET, "cuda", FPG_CUDA_VERSION, "cuda_archs", FPG_CUDA_ARCHS, "with_cuda",
                        FPG_WITH_CUDA ? Py_True : Py_False, "debug",
                        FPG_DEBUG ? Py_True : Py_False);
 }
@@ -224,7 +215,8 @@ static PyObject* reload_debug_knobs(PyObject*, PyObject*) {
 
 static PyMethodDef module_methods[] = {
     {"compiled_build_info", compiled_build_info, METH_NOARGS,
-     "What this binary was built against: torch and CUDA versions, CUDA archs, debug."},
+     "What this binary was built with: the torch it was compiled against, the oldest torch whose "
+     "stable ABI it targets, the CUDA version and archs, debug."},
     {"_device_limits", device_limits, METH_O,
      "The forward planner's limits of a CUDA device (csrc/cuda/forward_plan.h's DeviceLimits)."},
     {"_reload_debug_knobs", reload_debug_knobs, METH_NOARGS,

@@ -15,10 +15,11 @@ try:
 except ImportError as error:  # pragma: no cover - exercised by tests/test_build.py in a subprocess
     raise ImportError(
         "fused_pool_gelu: the compiled extension fused_pool_gelu._C could not be loaded "
-        f"({error}). The package must be built against the installed torch "
-        f"({torch.__version__}): from the source tree run `pip install --no-build-isolation .` "
-        "(or `make test`, which builds and installs a wheel). If you are running from the "
-        "source tree, run from another directory so that the installed package is imported."
+        f"({error}). It runs with torch 2.10 or later (the installed one: {torch.__version__}); "
+        "if torch is recent enough, build it: from the source tree run "
+        "`pip install --no-build-isolation .` (or `make test`, which builds and installs a "
+        "wheel). If you are running from the source tree, run from another directory so that "
+        "the installed package is imported."
     ) from error
 
 # The ops' fake kernels, autograd formulas and autocast kernels register themselves on import.
@@ -45,16 +46,24 @@ __all__ = [
 def build_info() -> dict:
     """What was compiled and what will run.
 
-    Keys: version; torch / cuda / cuda_archs / with_cuda / debug as compiled into the binary;
-    torch_runtime (the torch imported now); cuda_kernels (CUDA kernels registered);
+    Keys: version; torch (the torch the binary was compiled with), torch_target (the oldest torch
+    whose stable ABI it uses: it runs with that torch and every later one), cuda / cuda_archs /
+    with_cuda / debug as compiled into the binary; torch_runtime (the torch imported now);
+    cuda_kernels (CUDA kernels registered); model_forward_node: which autograd node ModelNew's
+    training step records, "C++ (<file>)" where the package holds one built for the running
+    torch, else "Python" (same results, more host time per step);
     cuda_available and device (the GPU that would run them, if any).
     """
-    info = {"version": __version__}
-    info.update(_C.compiled_build_info())
-    info["torch_runtime"] = torch.__version__
+    compiled = _C.compiled_build_info()
+    # The torch versions side by side: compiled with, the stable ABI's target, imported now.
+    info = {"version": __version__, "torch": compiled.pop("torch"),
+            "torch_target": compiled.pop("torch_target"), "torch_runtime": torch.__version__}
+    info.update(compiled)
     info["cuda_kernels"] = torch._C._dispatch_has_kernel_for_dispatch_key(
         "fused_pool_gelu::forward_with_argmax", "CUDA"
     )
+    node = _autograd.MODEL_FORWARD_NODE
+    info["model_forward_node"] = f"C++ ({node.rsplit('/', 1)[-1]})" if node else "Python"
     info["cuda_available"] = torch.cuda.is_available()
     info["device"] = torch.cuda.get_device_name() if info["cuda_available"] else "cpu"
     return info

@@ -1,4 +1,4 @@
-"""Autocast kernels of forward_with_argmax and model_forward (CPU and CUDA).
+"""Autocast kernels of forward_with_argmax, forward and model_forward (CPU and CUDA).
 
 The reference block's Linear runs in autocast's lower-precision dtype (bfloat16 or float16) and
 everything after it stays in that dtype, so under autocast forward_with_argmax casts its floating
@@ -26,7 +26,7 @@ def autocast_cast(t, dtype):
     return t.to(dtype)
 
 
-def _make_autocast_kernel(device_type):
+def _make_autocast_kernel(device_type, op):
     def kernel(keyset, x, weight, bias, scale, prepared_weight=None):
         dtype = torch.get_autocast_dtype(device_type)
 
@@ -39,9 +39,7 @@ def _make_autocast_kernel(device_type):
             # only the float32 path reads it: dropped when weight is cast.
             if cast_weight is not weight:
                 prepared_weight = None
-            return _ops.forward_with_argmax(
-                cast(x), cast_weight, cast(bias), scale, prepared_weight
-            )
+            return op(cast(x), cast_weight, cast(bias), scale, prepared_weight)
 
     return kernel
 
@@ -63,7 +61,9 @@ def _model_forward_autocast(x, weight, bias, pool_kernel_size, scale, pooled_wei
 
 
 for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
-    _autocast_lib.impl(
-        "forward_with_argmax", _make_autocast_kernel(_device_type), _key, with_keyset=True
-    )
+    for _name in ("forward_with_argmax", "forward"):
+        _autocast_lib.impl(
+            _name, _make_autocast_kernel(_device_type, getattr(_ops, _name)), _key,
+            with_keyset=True,
+        )
     _autocast_lib.impl("model_forward", _model_forward_autocast, _key)

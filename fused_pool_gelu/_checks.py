@@ -127,18 +127,17 @@ def check_fold_backward_inputs(grad_pooled_weight, grad_pooled_bias, out_feature
 
 def check_x_and_weight(op, x, weight_name, weight, layout):
     # Ranks and K, the weight's rows named by `layout`.
+    # Messages made only on failure: model_forward's autograd kernel runs this on every training
+    # step.
     check_defined(op, "x", x)
     check_defined(op, weight_name, weight)
-    check(x.dim() == 2, f"{op}: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
-    check(
-        weight.dim() == 2,
-        f"{op}: {weight_name} must be 2-D {layout}, got shape {list(weight.shape)}",
-    )
-    check(
-        weight.shape[1] == x.shape[1],
-        f"{op}: {weight_name} must be {layout} with in_features = x.size(1) = {x.shape[1]}, got "
-        f"shape {list(weight.shape)}",
-    )
+    if x.dim() != 2:
+        check(False, f"{op}: x must be 2-D [batch, in_features], got shape {list(x.shape)}")
+    if weight.dim() != 2:
+        check(False, f"{op}: {weight_name} must be 2-D {layout}, got shape {list(weight.shape)}")
+    if weight.shape[1] != x.shape[1]:
+        check(False, f"{op}: {weight_name} must be {layout} with in_features = x.size(1) = "
+              f"{x.shape[1]}, got shape {list(weight.shape)}")
 
 
 def check_forward_inputs(x, weight, bias, op="forward", weight_name="weight"):
@@ -193,6 +192,7 @@ def check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argma
 def check_model_backward_inputs(grad_out, x, pooled_weight, argmax, preactivation, out_features,
                                 pool_kernel_size):
     op = "model_backward"
+    check_defined(op, "grad_out", grad_out)  # first, as for a call without any tensor
     check_forward_inputs(x, pooled_weight, None, op, "pooled_weight")
     _check_batch_vectors(op, x, argmax=argmax, preactivation=preactivation, grad_out=grad_out)
     check_unfolded_shape(op, "pooled_weight", pooled_weight, out_features, pool_kernel_size)
@@ -236,3 +236,39 @@ def check_prepare_weight_inputs(weight):
 
 def check_model_forward_inputs(x, weight):
     check_x_and_weight("model_forward", x, "weight", weight, "[out_features, in_features]")
+
+
+def check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
+                               prepared_weight):
+    # A given fold (not None): its pairing, fold's checks, and the fold's shape, device and dtype
+    # against the weight (check_model_forward_inputs ran: weight is 2-D); x against the pooled
+    # weight is forward_with_argmax's to check. Conditions first, messages made only on failure:
+    # model_forward's autograd kernel runs this on every training step with a cached fold.
+    if pooled_weight is None or pooled_bias is None:
+        if pooled_weight is not None or pooled_bias is not None:
+            given = "pooled_weight" if pooled_weight is not None else "pooled_bias"
+            check(False, "model_forward: pooled_weight and pooled_bias must be given together "
+                  f"(fold's two outputs), got only {given}")
+        if prepared_weight is not None:
+            check(False, "model_forward: prepared_weight is made from pooled_weight, which must "
+                  "be given with it, got prepared_weight without pooled_weight")
+        return
+    out_features, in_features = weight.shape
+    dtype, device = weight.dtype, weight.device
+    if not 1 <= pool_kernel_size <= out_features or bias is not None and (
+            bias.shape != (out_features,) or bias.dtype != dtype or bias.device != device):
+        check_fold_inputs(weight, bias, pool_kernel_size)
+    rows = out_features // pool_kernel_size
+    if pooled_weight.shape != (rows, in_features):
+        check(False, "model_forward: pooled_weight must be fold's [out_features // "
+              f"pool_kernel_size, in_features] = [{rows}, {in_features}], got shape "
+              f"{list(pooled_weight.shape)}")
+    if pooled_bias.shape != (rows,):
+        check(False, "model_forward: pooled_bias must be fold's [out_features // "
+              f"pool_kernel_size] = [{rows}], got shape {list(pooled_bias.shape)}")
+    if (pooled_weight.device != device or pooled_weight.dtype != dtype
+            or pooled_bias.device != device or pooled_bias.dtype != dtype):
+        check_same_device("model_forward", "pooled_weight", pooled_weight, "weight", weight)
+        check_same_dtype("model_forward", "pooled_weight", pooled_weight, "weight", weight)
+        check_same_device("model_forward", "pooled_bias", pooled_bias, "weight", weight)
+        check_same_dtype("model_forward", "pooled_bias", pooled_bias, "weight", weight)

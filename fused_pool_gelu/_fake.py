@@ -16,6 +16,7 @@ from ._checks import (
     check_forward_backward_inputs,
     check_forward_inputs,
     check_model_backward_inputs,
+    check_model_forward_folded,
     check_model_forward_inputs,
     check_prepare_weight_inputs,
     check_prepared_weight,
@@ -66,8 +67,19 @@ def _prepare_weight_fake(weight):
 def _model_forward_fake(x, weight, bias, pool_kernel_size, scale, pooled_weight=None,
                         pooled_bias=None, prepared_weight=None):
     check_model_forward_inputs(x, weight)
+    check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
+                               prepared_weight)
+    if pooled_weight is None:
+        pooled_weight, pooled_bias = _fold_fake(weight, bias, pool_kernel_size)
+    return _forward_fake(x, pooled_weight, pooled_bias, scale, prepared_weight)
+
+
+@torch.library.register_fake("fused_pool_gelu::_model_forward_with_argmax")
+def _model_forward_with_argmax_fake(x, weight, bias, pool_kernel_size, scale):
+    check_model_forward_inputs(x, weight)
     pooled_weight, pooled_bias = _fold_fake(weight, bias, pool_kernel_size)
-    return _forward_fake(x, pooled_weight, pooled_bias, scale)
+    return (*_forward_with_argmax_fake(x, pooled_weight, pooled_bias, scale), pooled_weight,
+            pooled_bias)
 
 
 @torch.library.register_fake("fused_pool_gelu::forward_backward")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import _func, ops
 
 _PLAIN_TENSOR_TYPES = (Tensor, nn.Parameter)
+_FOLD = torch.ops.fused_pool_gelu.fold.default
 
 # (weight storage, bias storage or None, pool_kernel_size) -> (stamp, storage refs, folded,
 # versions of the folded tensors and the optimizer steps counted when it was made).
@@ -94,9 +95,17 @@ def fold_once(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
     """fold(weight, bias, k) and, with prepare on CUDA float32, its prepared copy, as plain
     tensors without autograd history (also under inference_mode: a model cached there must still
     serve later calls whose input requires grad)."""
-    # Below autograd: fold's autograd formula is Python's, entered even with grad mode off.
-    with torch.inference_mode(False), torch._C._AutoDispatchBelowAutograd():
-        pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
+    # After inference_mode(False), with no autograd history (a graph node would hold the
+    # parameters alive): the op itself below autograd, skipping the public wrapper's checks and
+    # routing (ModelNew checked its arguments), host time at every parameter update; the public
+    # op where forward-mode AD or a torch.func transform is active (its tangent check, its
+    # transform path).
+    if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+        with torch.inference_mode(False), torch.no_grad():
+            pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
+    else:
+        with torch.inference_mode(False), torch._C._AutoDispatchBelowADInplaceOrView():
+            pooled_weight, pooled_bias = _FOLD(weight, bias, pool_kernel_size)
     prepared_weight = (prepared_copy(pooled_weight)
                        if prepare and reads_prepared(weight) else None)
     return pooled_weight, pooled_bias, prepared_weight
@@ -166,14 +175,27 @@ def _carries_tangent(weight: Tensor, bias: Optional[Tensor]) -> bool:
                for t in (weight, bias))
 
 
-def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
-                prepare: bool = True) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(pooled_weight, pooled_bias, prepared_weight or None) from the process-wide cache, made
-    and cached on a miss where the parameters can be (module docstring)."""
+class Miss(NamedTuple):
+    """What lookup read before a fold is made, from which store makes the fold's entry: the
+    parameters' stamp and the optimizer steps counted then (a step after them makes the entry
+    stale)."""
+
+    key: tuple
+    stamped: tuple
+    optimizer_steps: int
+
+
+def lookup(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int
+           ) -> Tuple[Optional[Tuple[Tensor, Tensor, Optional[Tensor]]], Optional[Miss]]:
+    """(the entry's fold or None, a Miss or None). The fold is served while the parameters are
+    unchanged; its prepared copy may be None (folded by a training call). The Miss, given with
+    no fold or a fold without its copy, is what store needs to make the entry of a fold made
+    after this call; None where nothing may be cached (module docstring): no stamp, CUDA-graph
+    capture, or a forward-mode AD tangent on weight or bias (a dual tensor shares its primal's
+    storage and stamp: its primal's fold would drop the tangent, the output's silently zero; the
+    fold op, which cached_fold calls instead, refuses it naming the argument)."""
     if forward_ad._current_level >= 0 and _carries_tangent(weight, bias):
-        # A dual tensor shares its primal's storage and stamp: a cached fold would drop the
-        # tangent, the output's silently zero. The op refuses it, naming fold and the argument.
-        return (*ops.fold(weight, bias, pool_kernel_size), None)
+        return None, None
     try:
         stamped = stamp(weight, bias)
     except RuntimeError:
@@ -181,13 +203,12 @@ def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
         # ensemble through functional_call: new objects at every call anyway, folded as they
         # are, inside the transforms), and inference tensors (parameters created under
         # inference_mode), which have no version counter to see a change by.
-        return (*ops.fold(weight, bias, pool_kernel_size), None)
+        return None, None
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-        return fold_once(weight, bias, pool_kernel_size, prepare)
+        return None, None
     key = (stamped[0], stamped[1] if bias is not None else None, pool_kernel_size)
-    optimizer_steps = _optimizer_steps  # read with the stamp, before the fold
+    optimizer_steps = _optimizer_steps  # read with the stamp, before any fold
     entry = _ENTRIES.get(key)
-    folded = None
     # A hit needs no check of the entry's weak references: they pin the stamped StorageImpl
     # addresses, so a live storage at that address is the stamped one (and only cacheable
     # parameters make entries).
@@ -195,21 +216,44 @@ def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
         entry_stamp, _, cached, versions = entry
         if entry_stamp == stamped and versions == (cached[0]._version, cached[1]._version,
                                                    optimizer_steps):
-            if cached[2] is not None or not (prepare and reads_prepared(weight)):
-                return cached
-            folded = (*cached[:2], prepared_copy(cached[0]))  # folded by a training call
-    if folded is None:
-        folded = fold_once(weight, bias, pool_kernel_size, prepare)
+            if cached[2] is not None:
+                return cached, None
+            return cached, Miss(key, stamped, optimizer_steps)
+    return None, Miss(key, stamped, optimizer_steps)
+
+
+def store(miss: Miss, weight: Tensor, bias: Optional[Tensor],
+          folded: Tuple[Tensor, Tensor, Optional[Tensor]]) -> None:
+    """Makes the entry of `folded`, the fold of weight and bias made since lookup gave `miss`,
+    where the parameters can be cached."""
     if not _cacheable(weight, bias):
-        return folded
-    refs = storage_refs(weight, bias, stamped)
+        return
+    refs = storage_refs(weight, bias, miss.stamped)
     if refs is not None:
         # A snapshot (one C-level copy): other threads may add entries meanwhile.
         for stale_key in [k for k, (_, r, _, _) in list(_ENTRIES.items())
                           if any(ref.expired() for ref in r)]:
             _ENTRIES.pop(stale_key, None)
-        _ENTRIES[key] = (stamped, refs, folded,
-                         (folded[0]._version, folded[1]._version, optimizer_steps))
+        _ENTRIES[miss.key] = (miss.stamped, refs, folded,
+                              (folded[0]._version, folded[1]._version, miss.optimizer_steps))
+
+
+def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,
+                prepare: bool = True) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(pooled_weight, pooled_bias, prepared_weight or None) from the process-wide cache, made
+    and cached on a miss where the parameters can be (module docstring)."""
+    cached, miss = lookup(weight, bias, pool_kernel_size)
+    if cached is not None:
+        if cached[2] is not None or not (prepare and reads_prepared(weight)):
+            return cached
+        folded = (*cached[:2], prepared_copy(cached[0]))
+    elif miss is not None:
+        folded = fold_once(weight, bias, pool_kernel_size, prepare)
+    elif weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return fold_once(weight, bias, pool_kernel_size, prepare)
+    else:  # no stamp (lookup): functorch's wrappers take the public op's transform path
+        return (*ops.fold(weight, bias, pool_kernel_size), None)
+    store(miss, weight, bias, folded)
     return folded
 
 

@@ -14,9 +14,10 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 from torch.nn.modules import module as _module
 
-from . import _fold_cache, ops
+from . import _autograd, _fold_cache, ops
 
 __all__ = ["Model", "ModelNew"]
 
@@ -377,16 +378,31 @@ class ModelNew(nn.Module):
             ):
                 # Training, eager or captured in a CUDA graph: the fold must be in the autograd
                 # graph for weight and bias to get gradients; model_forward records fold and
-                # forward as one C++ node (less host time than the two ops' Python autograd nodes,
-                # same bits), whose backward is model_backward. Its forward takes the cached fold
-                # where there is one (gradient accumulation, evaluation with grad enabled: one
-                # fold per parameter update); a captured graph folds at every replay, and autocast
-                # and torch.func transforms record the fold (_fold_cache.needs_recorded_fold).
+                # forward as one autograd node (less host time than the two ops' nodes, same
+                # bits), whose backward is model_backward. Its forward takes the cached fold
+                # (gradient accumulation, evaluation with grad enabled: one fold per parameter
+                # update); a captured graph folds at every replay, and autocast and torch.func
+                # transforms record the fold (_fold_cache.needs_recorded_fold).
                 if self._capturing() or _fold_cache.needs_recorded_fold(weight):
                     return ops.model_forward(x, weight, bias, pool_kernel_size, scale)
-                return ops.model_forward(
-                    x, weight, bias, pool_kernel_size, scale,
-                    *self._folded(weight, bias, pool_kernel_size, prepare=False),
+                cached = None
+                if _autograd.MODEL_FORWARD_NODE is None and type(x) in (Tensor, nn.Parameter):
+                    # The Python node, on a miss, folds in the same call as its forward, and the
+                    # cache keeps that fold (one op call from Python fewer than folding first, at
+                    # every parameter update; the C++ node's calls cost little). Not for a tensor
+                    # subclass x, whose type the fold would take.
+                    cached, miss = _fold_cache.lookup(weight, bias, pool_kernel_size)
+                    if cached is None and miss is not None:
+                        fold_sink = []
+                        out = _autograd.model_forward_on_cached_fold(
+                            x, weight, bias, pool_kernel_size, scale, None, None, fold_sink
+                        )
+                        _fold_cache.store(miss, weight, bias, (*fold_sink[0], None))
+                        return out
+                if cached is None:
+                    cached = self._folded(weight, bias, pool_kernel_size, prepare=False)
+                return _autograd.model_forward_on_cached_fold(
+                    x, weight, bias, pool_kernel_size, scale, cached[0], cached[1]
                 )
             if self._capturing():
                 pooled_weight, pooled_bias = ops.fold(weight, bias, pool_kernel_size)
@@ -394,6 +410,13 @@ class ModelNew(nn.Module):
             pooled_weight, pooled_bias, prepared_weight = self._folded(
                 weight, bias, pool_kernel_size
             )
+            # No gradient (x's too: frozen parameters may still pass one to x) and nothing that
+            # ops.forward routes elsewhere: straight to the kernel.
+            if (not (x.requires_grad and torch.is_grad_enabled())
+                    and forward_ad._current_level < 0 and not torch._C._is_any_autocast_enabled()
+                    and not torch._C._are_functorch_transforms_active()):
+                return _autograd.forward_on_cached_fold(x, pooled_weight, pooled_bias, scale,
+                                                        prepared_weight)
             return ops.forward(x, pooled_weight, pooled_bias, scale, prepared_weight)
         except RuntimeError as error:
             # The op's own message would name the pooled weight, which the caller never made.

@@ -13,12 +13,20 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _func
+from . import _autograd, _func, _prepared
 from ._checks import check_defined, check_int64
 
 __all__ = ["fold", "forward", "forward_with_argmax", "model_forward", "prepare_weight"]
 
 _ops = torch.ops.fused_pool_gelu
+
+
+def _eager() -> bool:
+    # Eager calls go to the ops' autograd kernels (_autograd.py) directly, skipping the
+    # dispatcher's round trip into Python; torch.compile and torch.jit.trace must see the ops, and
+    # autocast's kernels (_autocast.py) come before the autograd kernels.
+    return (not torch._C._is_any_autocast_enabled() and not torch.compiler.is_compiling()
+            and torch._C._get_tracing_state() is None)
 
 
 def fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int) -> Tuple[Tensor, Tensor]:
@@ -32,6 +40,8 @@ def fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int) -> Tuple
     check_int64("fold", "pool_kernel_size", pool_kernel_size)
     if _func.transforms_active():
         return _func.fold(weight, bias, pool_kernel_size)
+    if _eager():
+        return _autograd.fold_autograd(weight, bias, pool_kernel_size)
     return _ops.fold(weight, bias, pool_kernel_size)
 
 
@@ -57,7 +67,10 @@ def prepare_weight(weight: Tensor) -> Tensor:
     Not differentiable.
     """
     check_defined("prepare_weight", "weight", weight)  # as in fold
-    return _ops.prepare_weight(weight)
+    prepared = _ops.prepare_weight(weight)
+    if not torch.compiler.is_compiling():
+        _prepared.record(prepared, weight)
+    return prepared
 
 
 def forward(
@@ -76,8 +89,15 @@ def forward(
     torch.max semantics (a NaN in a row makes that row NaN). Differentiable in x, weight and bias.
     """
     if _func.transforms_active():
-        return _func.forward(x, weight, bias, scale, prepared_weight)
-    return _ops.forward(x, weight, bias, scale, prepared_weight)
+        out = _func.forward(x, weight, bias, scale, prepared_weight)
+    elif _eager():
+        out = _autograd.forward_autograd(x, weight, bias, scale, prepared_weight)
+    else:
+        out = _ops.forward(x, weight, bias, scale, prepared_weight)
+    # After the op, whose checks of the prepared weight's layout come first.
+    if prepared_weight is not None and not torch.compiler.is_compiling():
+        _prepared.check("forward", prepared_weight, weight)
+    return out
 
 
 def forward_with_argmax(
@@ -95,8 +115,14 @@ def forward_with_argmax(
     ``forward`` (the kernels are forward's).
     """
     if _func.transforms_active():
-        return _func.forward_with_argmax(x, weight, bias, scale, prepared_weight)
-    return _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+        outputs = _func.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+    elif _eager():
+        outputs = _autograd.forward_with_argmax_autograd(x, weight, bias, scale, prepared_weight)
+    else:
+        outputs = _ops.forward_with_argmax(x, weight, bias, scale, prepared_weight)
+    if prepared_weight is not None and not torch.compiler.is_compiling():
+        _prepared.check("forward", prepared_weight, weight)
+    return outputs
 
 
 def model_forward(
@@ -111,10 +137,10 @@ def model_forward(
 ) -> Tensor:
     """The block on the unfolded Linear parameters: ``forward(x, *fold(weight, bias, k), scale)``.
 
-    Same values and gradients, bit for bit, as :func:`fold` then :func:`forward`, through one C++
-    autograd node (csrc/model_forward.cpp) instead of two Python ones: less host time per training
-    step. x's and the weight's ranks and widths are checked as ``model_forward``'s; the rest by the
-    op each argument goes to, whose name the error gives (``fold`` or ``forward``).
+    Same values and gradients, bit for bit, as :func:`fold` then :func:`forward`, through one
+    autograd node instead of two: less host time per training step. x's and the weight's ranks
+    and widths are checked as ``model_forward``'s; the rest by the op each argument goes to, whose
+    name the error gives (``fold`` or ``forward``).
 
     ``pooled_weight`` and ``pooled_bias``: ``fold(weight, bias, pool_kernel_size)`` when the caller
     already holds it (with ``prepared_weight``, its :func:`prepare_weight` copy, if any). The
@@ -126,5 +152,12 @@ def model_forward(
     check_int64("model_forward", "pool_kernel_size", pool_kernel_size)
     if _func.transforms_active():
         return _func.model_forward(x, weight, bias, pool_kernel_size, scale)
-    return _ops.model_forward(x, weight, bias, pool_kernel_size, scale, pooled_weight,
-                              pooled_bias, prepared_weight)
+    if _eager():
+        out = _autograd.model_forward_autograd(x, weight, bias, pool_kernel_size, scale,
+                                               pooled_weight, pooled_bias, prepared_weight)
+    else:
+        out = _ops.model_forward(x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                                 pooled_bias, prepared_weight)
+    if prepared_weight is not None and not torch.compiler.is_compiling():
+        _prepared.check("model_forward", prepared_weight, pooled_weight)
+    return out

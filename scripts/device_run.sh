@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build from source there, then the requested stages.
-#   scripts/device_run.sh build test test-cuda test-slow test-all test-certified sanitize profile
+#   scripts/device_run.sh build test test-ptx test-cuda test-slow test-all test-certified sanitize profile
 #                         profile-certified profile-shapes bench-ours bench-forward
 #                         bench-forward-graph bench-train bench-train-graph bench-grid
 #                         bench-kernelbench bench-paths
@@ -51,6 +51,25 @@ for stage in "$@"; do
     test)
       run_stage test "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -m "cuda and not slow" --timeout=180 -n "${PYTEST_WORKERS:-6}" \
         --durations=10 .
+      ;;
+    test-ptx)
+      # The PTX path of GPUs newer than the wheel's binaries. CUDA_FORCE_PTX_JIT=1 would make the
+      # driver JIT every module from its PTX, torch's included, and torch's wheels carry none: the
+      # probe shows whether this torch runs that way. Whatever it says, a build holding compute_90
+      # PTX alone (the wheel's later-GPU entry, no binaries) is JIT compiled here and runs the
+      # GPU suite.
+      CUDA_FORCE_PTX_JIT=1 timeout 120 python3 -c "import torch; torch.ones(2, device='cuda').add_(1).sum().item()" \
+        > "$OUT/force-ptx-jit-torch.log" 2>&1
+      note "torch under CUDA_FORCE_PTX_JIT=1: rc=$? ($(grep -m1 -oE '[A-Za-z]*Error: .{0,120}' "$OUT/force-ptx-jit-torch.log"))"
+      ptx_target=/tmp/fpg-ptx-only
+      rm -rf "$ptx_target" "$ROOT/build"  # no object of another build may be packaged
+      run_stage build-ptx "$ROOT" env MAX_JOBS=16 NVCC_THREADS=4 TORCH_CUDA_ARCH_LIST=9.0 \
+        FUSED_POOL_GELU_PTX_ONLY=1 FUSED_POOL_GELU_CUDA=1 python3 -m pip install \
+        --no-build-isolation --no-deps -q --target "$ptx_target" . || break
+      run_stage check-ptx-build /tmp env PYTHONPATH="$ptx_target" python3 -c "import fused_pool_gelu as f; \
+a = f.build_info()['cuda_archs']; assert a.endswith('(PTX only)'), a; print(a)" || break
+      STAGE_TIMEOUT_S=${STAGE_TIMEOUT_S:-420} run_stage test-ptx "$ROOT/tests" env PYTHONPATH="$ptx_target" python3 -m pytest \
+        -p no:cacheprovider -q -m "cuda and not slow" --timeout=300 -n "${PYTEST_WORKERS:-6}" .
       ;;
     test-cuda)
       run_stage test-cuda "$ROOT/tests" python3 -m pytest -p no:cacheprovider -q -x --timeout=180 \

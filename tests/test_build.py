@@ -17,11 +17,12 @@ import fused_pool_gelu
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# The ops with device kernels of their own (forward and model_forward are composed of others, and
-# so is model_backward on the CPU); _certified_candidate_counts is a CUDA diagnostic.
-CPU_KERNEL_OPS = ["fold", "fold_backward", "forward_with_argmax", "forward_backward",
-                  "prepare_weight"]
-CUDA_KERNEL_OPS = CPU_KERNEL_OPS + ["model_backward", "_certified_candidate_counts"]
+# Every op has a kernel per device; _certified_candidate_counts is a CUDA diagnostic, and
+# model_backward on the CUDA device has a kernel of its own.
+CPU_KERNEL_OPS = ["fold", "fold_backward", "forward_with_argmax", "forward", "forward_backward",
+                  "prepare_weight", "model_forward", "model_backward",
+                  "_model_forward_with_argmax"]
+CUDA_KERNEL_OPS = CPU_KERNEL_OPS + ["_certified_candidate_counts"]
 
 
 def test_the_installed_package_is_imported_not_the_source_tree():
@@ -43,12 +44,14 @@ def test_build_info_has_its_documented_keys_and_types():
     expected = {
         "version": str,
         "torch": str,
+        "torch_target": str,
         "cuda": str,
         "cuda_archs": str,
         "with_cuda": bool,
         "debug": bool,
         "torch_runtime": str,
         "cuda_kernels": bool,
+        "model_forward_node": str,
         "cuda_available": bool,
         "device": str,
     }
@@ -60,9 +63,16 @@ def test_build_info_has_its_documented_keys_and_types():
     assert info["cuda_available"] == torch.cuda.is_available()
 
 
-def test_build_info_says_the_binary_was_built_against_the_running_torch():
+def _release(version: str) -> tuple:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def test_build_info_says_the_running_torch_has_the_stable_abi_the_binary_targets():
+    # The binary uses the LibTorch stable ABI of torch_target: it loads under that torch and every
+    # later one, whatever torch it was compiled with (.ci/run tests it under another one).
     info = fused_pool_gelu.build_info()
-    assert info["torch"] == info["torch_runtime"]
+    assert _release(info["torch_runtime"]) >= _release(info["torch_target"])
+    assert _release(info["torch"]) >= _release(info["torch_target"])
 
 
 def test_build_info_cuda_fields_are_consistent():
@@ -88,9 +98,9 @@ def test_every_op_has_a_cuda_kernel_when_cuda_kernels_are_built(op):
 
 
 def test_forward_has_its_own_autograd_kernel_over_forward_with_argmax():
-    # The C++ autograd kernel skips the Python autograd layer when no gradient is needed and
-    # goes through forward_with_argmax (whose derivative is registered) when one is.
-    for key in ("Autograd", "CompositeExplicitAutograd"):
+    # The autograd kernel (_autograd.py) calls the device kernel when no gradient is needed and
+    # goes through forward_with_argmax's derivative when one is.
+    for key in ("Autograd", "CPU"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_pool_gelu::forward", key)
     x = torch.rand(3, 5, requires_grad=True)
     weight = torch.rand(2, 5)
@@ -149,7 +159,8 @@ def test_the_source_distribution_holds_every_source_file(tmp_path):
     # *.egg-info/SOURCES.txt lists, which would hide a file missing from MANIFEST.in.
     source = tmp_path / "source"
     shutil.copytree(REPO_ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "variants", "__pycache__"))
+        ".git", ".venv", "build", "dist", "*.egg-info", "variants", "__pycache__",
+        ".torch-headers"))
     command = [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir",
                str(tmp_path), str(source)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_pool_gelu
-from fused_pool_gelu import Model, ModelNew, _debug, ops
+from fused_pool_gelu import Model, ModelNew, _debug, _fold_cache, ops
 
 pytestmark = pytest.mark.cuda
 
@@ -1181,10 +1181,8 @@ def test_inputs_on_different_devices_are_rejected():
 
 def test_model_new_cache_refolds_after_moving_between_devices(monkeypatch):
     calls = []
-    real_fold = ops.fold
-    monkeypatch.setattr(
-        fused_pool_gelu.ops, "fold", lambda *a, **kw: calls.append(a) or real_fold(*a, **kw)
-    )
+    real_fold = _fold_cache._FOLD  # the cache's own fold call
+    monkeypatch.setattr(_fold_cache, "_FOLD", lambda *a: calls.append(a) or real_fold(*a))
     torch.manual_seed(12)
     model = Model(64, 48, 4, 2.0)
     new = ModelNew.from_model(model)

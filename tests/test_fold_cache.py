@@ -30,11 +30,13 @@ def _fresh_dynamo_and_cache():
 
 
 def _folds_run(fn, calls=3):
-    """(fn's last result, fused_pool_gelu::fold ops executed over `calls` calls of fn)."""
+    """(fn's last result, the ops that fold executed over `calls` calls of fn: fold, and the
+    training node's _model_forward_with_argmax)."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             result = fn()
-    folds = sum(1 for event in prof.events() if event.name == "fused_pool_gelu::fold")
+    folds = sum(1 for event in prof.events() if event.name in (
+        "fused_pool_gelu::fold", "fused_pool_gelu::_model_forward_with_argmax"))
     return result, folds
 
 
@@ -148,6 +150,15 @@ def test_evaluation_with_grad_enabled_reuses_the_training_fold(device):
     assert folds == 0 and out.requires_grad
 
 
+def test_the_cached_fold_has_no_autograd_history(device):
+    # Folded during a training call (grad mode on, parameters requiring grad): a graph node in the
+    # entry would hold the parameters alive and send gradients nowhere.
+    _, model = _models(device)
+    model(_x(device)).sum().backward()
+    for folded in model.folded_parameters():
+        assert folded.grad_fn is None and not folded.requires_grad
+
+
 @pytest.mark.parametrize("cache", ["miss", "hit"])
 @pytest.mark.parametrize("parameter", ["weight", "bias"])
 def test_a_forward_mode_tangent_on_the_parameters_is_refused_not_served_from_the_cache(
@@ -168,6 +179,21 @@ def test_a_forward_mode_tangent_on_the_parameters_is_refused_not_served_from_the
         with pytest.raises(RuntimeError, match=rf"fused_pool_gelu\.fold: {parameter} carries a "
                                                "forward-mode AD tangent"):
             torch.func.functional_call(model, {f"matmul.{parameter}": dual}, (x,))
+
+
+def test_a_training_call_on_a_tensor_subclass_input_caches_a_plain_fold(device):
+    # The node folds together with x on a miss; a subclass x would give the fold its type, and
+    # every later call would be served subclass tensors.
+    class Tagged(torch.Tensor):
+        pass
+
+    _, model = _models(device)
+    x = _x(device)
+    out = model(x.as_subclass(Tagged))
+    assert type(out) is Tagged
+    assert all(type(t) is torch.Tensor for t in model.folded_parameters())
+    with torch.no_grad():
+        assert type(model(x)) is torch.Tensor
 
 
 def test_model_forward_checks_a_given_fold(device):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fused_pool_gelu
-from fused_pool_gelu import Model, ModelNew, ops
+from fused_pool_gelu import Model, ModelNew, _autograd, _fold_cache, ops
 
 # (in_features, out_features, pool_kernel_size, scale_factor)
 ARGS = [
@@ -37,21 +37,20 @@ def _pair(args, device="cpu", dtype=torch.float32, seed=1234):
 
 @pytest.fixture
 def fold_calls(monkeypatch):
-    """Counts the calls that fold the weight made through fused_pool_gelu.ops (what ModelNew
-    calls): ops.fold, and ops.model_forward without a given fold (it folds inside)."""
+    """Counts the calls that fold the weight on ModelNew's paths, at the ops that fold: ops.fold,
+    the fold cache's own fold call, and the training node's _model_forward_with_argmax (which
+    ops.model_forward reaches when it must fold)."""
     calls = []
-    for name in ("fold", "model_forward"):
-        real = getattr(ops, name)
 
-        def counting(*args, real=real, name=name, **kwargs):
-            given_fold = name == "model_forward" and (
-                (len(args) > 5 and args[5] is not None)
-                or kwargs.get("pooled_weight") is not None)
-            if not given_fold:
-                calls.append(args)
+    def counting(real):
+        def count(*args, **kwargs):
+            calls.append(args)
             return real(*args, **kwargs)
+        return count
 
-        monkeypatch.setattr(fused_pool_gelu.ops, name, counting)
+    for module, attribute in ((ops, "fold"), (_fold_cache, "_FOLD"),
+                              (_autograd, "_model_forward_with_argmax")):
+        monkeypatch.setattr(module, attribute, counting(getattr(module, attribute)))
     return calls
 
 
@@ -641,8 +640,8 @@ def test_parametrized_parameters_are_the_ones_used(names, device, fold_calls):
     out.sum().backward()
     original = new.matmul.parametrizations[names[0]].original
     assert original.grad is not None and bool(original.grad.any())
-    # Both calls fused: the no-grad one through ops.fold (a parametrized weight is a new tensor
-    # at each access, never a cache hit), the training one through ops.model_forward.
+    # Both calls fused, each folding once (a parametrized weight is a new tensor at each access,
+    # never a cache hit): the no-grad one through the cache's fold, the training one in its node.
     assert len(fold_calls) == 2
 
 

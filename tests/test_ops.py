@@ -676,6 +676,57 @@ def test_opcheck_model_backward(out_features, device):
     )
 
 
+@pytest.mark.parametrize("case", ["bias", "no_bias", "k1", "empty_batch"])
+def test_opcheck_model_forward_with_argmax(case, device):
+    # Its autograd kernel refuses a gradient by design (it is the forward inside model_forward's
+    # node): requires_grad off.
+    name = "model_forward" if case == "bias" else f"model_forward_{case}"
+    _, (x, weight, bias, k, scale) = _opcheck_cases(device, False)[0][name]
+    opcheck(_OPS._model_forward_with_argmax.default, (x, weight, bias, k, scale))
+
+
+# (B, K, O, k): odd widths, a tail of O % k rows, one pooled row.
+MODEL_FORWARD_WITH_ARGMAX_SHAPES = [(7, 33, 50, 4), (1, 5, 3, 3), (40, 130, 17, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("shape", MODEL_FORWARD_WITH_ARGMAX_SHAPES, ids=str)
+def test_model_forward_with_argmax_is_fold_then_forward_with_argmax_bit_for_bit(
+    shape, has_bias, dtype, device, make_inputs
+):
+    batch, in_features, out_features, k = shape
+    x, weight, bias = make_inputs(batch, in_features, out_features, dtype, device, bias=has_bias)
+    got = _OPS._model_forward_with_argmax(x, weight, bias, k, -1.5)
+    pooled_weight, pooled_bias = ops.fold(weight, bias, k)
+    expected = (*ops.forward_with_argmax(x, pooled_weight, pooled_bias, -1.5), pooled_weight,
+                pooled_bias)
+    assert len(got) == 5
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_model_forward_with_argmax_refuses_a_gradient(device, make_inputs):
+    x, weight, bias = make_inputs(4, 16, 12, torch.float32, device)
+    weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"_model_forward_with_argmax: weight requires grad, "
+                       r"but no gradient flows through this op .* call "
+                       r"fused_pool_gelu\.ops\.model_forward"):
+        _OPS._model_forward_with_argmax(x, weight, bias, 3, 2.0)
+    with torch.no_grad():
+        out = _OPS._model_forward_with_argmax(x, weight, bias, 3, 2.0)[0]
+    assert torch.equal(out, ops.model_forward(x, weight.detach(), bias, 3, 2.0))
+
+
+def test_model_forward_with_argmax_checks_its_inputs_as_model_forward(device, make_inputs):
+    x, weight, bias = make_inputs(4, 16, 12, torch.float32, device)
+    with pytest.raises(RuntimeError, match=r"model_forward: weight must be \[out_features, "
+                       r"in_features\] with in_features = x.size\(1\) = 15"):
+        _OPS._model_forward_with_argmax(x[:, :15], weight, bias, 3, 2.0)
+    with pytest.raises(RuntimeError, match="fold: pool_kernel_size must be"):
+        _OPS._model_forward_with_argmax(x, weight, bias, 13, 2.0)
+
+
 @pytest.mark.parametrize("grads", ["out", "preactivation", "both"])
 def test_opcheck_forward_backward(grads, device):
     # forward_backward's own autograd raises by design (no double backward): requires_grad off.

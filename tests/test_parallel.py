@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fused_pool_gelu
-from fused_pool_gelu import Model, ModelNew, _fold_cache
+from fused_pool_gelu import Model, ModelNew, _autograd, _fold_cache
 
 BATCH, IN_FEATURES, POOL, SCALE, TAIL = 16, 24, 4, 2.0, 3
 # A rank stuck in a collective (because another failed) gives up after this long.
@@ -120,18 +120,19 @@ def _assert_matches_unsharded(sharded, full, x, grad_out, tol, equal_nan=False):
 
 @contextlib.contextmanager
 def _path_taken():
-    """Counts the fused ops ModelNew and the plan call, and the calls of Model's computation."""
+    """Counts the folds of ModelNew's fused path (the plan's included) and the calls of Model's
+    computation. A fold is counted at the ops that fold: ops.fold, the fold cache's own fold call,
+    and the training node's _model_forward_with_argmax."""
     counts = {"fused": 0, "reference": 0}
-    real = {name: getattr(fused_pool_gelu.ops, name) for name in ("fold", "model_forward")}
+    patched = [(fused_pool_gelu.ops, "fold"), (_fold_cache, "_FOLD"),
+               (_autograd, "_model_forward_with_argmax")]
+    real = {(module, name): getattr(module, name) for module, name in patched}
     real_reference = ModelNew._reference_forward
 
-    def counting(name):
+    def counting(module, name):
         def call(*args, **kwargs):
-            # A fold made: by fold, or inside model_forward when it is not given one.
-            given_fold = (len(args) > 5 and args[5] is not None) or "pooled_weight" in kwargs
-            if name == "fold" or not given_fold:
-                counts["fused"] += 1
-            return real[name](*args, **kwargs)
+            counts["fused"] += 1
+            return real[module, name](*args, **kwargs)
         return call
 
     def reference(self, *args, **kwargs):
@@ -139,13 +140,13 @@ def _path_taken():
         return real_reference(self, *args, **kwargs)
 
     try:
-        for name in real:
-            setattr(fused_pool_gelu.ops, name, counting(name))
+        for module, name in patched:
+            setattr(module, name, counting(module, name))
         ModelNew._reference_forward = reference
         yield counts
     finally:
-        for name, function in real.items():
-            setattr(fused_pool_gelu.ops, name, function)
+        for (module, name), function in real.items():
+            setattr(module, name, function)
         ModelNew._reference_forward = real_reference
 
 

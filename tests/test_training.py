@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fused_pool_gelu
-from fused_pool_gelu import Model, ModelNew, ops
+from fused_pool_gelu import Model, ModelNew, _fold_cache, ops
 
 # (in_features, out_features, pool_kernel_size, scale_factor): an O % k tail of 2 rows.
 ARGS = (64, 50, 4, 2.0)
@@ -209,18 +209,22 @@ def test_model_new_folds_in_float32_under_autocast(device, dtype, grad_mode, mon
     # the graph when training, from the cache otherwise), which the op's autocast kernel casts.
     _, new = _pair(device)
     folded, seen = [], []
-    real_fold, real_forward = ops.fold, ops.forward
+    real_forward = ops.forward
 
-    def recording_fold(*args):
-        result = real_fold(*args)
-        folded.append(tuple(t.dtype for t in result))
-        return result
+    def recording(real_fold):
+        def recording_fold(*args):
+            result = real_fold(*args)
+            folded.append(tuple(t.dtype for t in result))
+            return result
+        return recording_fold
 
     def recording_forward(x, weight, bias, scale, prepared_weight=None):
         seen.append((weight.dtype, bias.dtype))
         return real_forward(x, weight, bias, scale, prepared_weight)
 
-    monkeypatch.setattr(fused_pool_gelu.ops, "fold", recording_fold)
+    # The public op (the training graph's fold) and the op the cache calls.
+    monkeypatch.setattr(fused_pool_gelu.ops, "fold", recording(ops.fold))
+    monkeypatch.setattr(_fold_cache, "_FOLD", recording(_fold_cache._FOLD))
     monkeypatch.setattr(fused_pool_gelu.ops, "forward", recording_forward)
     x = torch.rand(8, ARGS[0]).to(device)
     with torch.autocast(device, dtype=dtype), torch.set_grad_enabled(grad_mode == "training"):

@@ -8,24 +8,19 @@
 // O(B*K + N*K) work instead of the dense backward's two GEMMs. The scatter-add runs in the fixed
 // order of summation_order.h (the CUDA backward's), each thread owning a range of columns: the
 // result does not depend on the thread count, and given the same dz it is the CUDA result.
-#include "checks.h"
-#include "cpu/dtypes.h"
-#include "cpu/huge_pages.h"
-#include "summation_order.h"
-
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
 
+#include "checks.h"
+#include "cpu/dtypes.h"
+#include "cpu/huge_pages.h"
+#include "cpu/kernels.h"
+#include "summation_order.h"
+
 namespace fused_pool_gelu {
+namespace cpu {
 namespace {
 
 // Columns per parallel_for task of the scatter-add: each task walks every sorted row for its
@@ -40,58 +35,67 @@ scalar_t gelu_grad(scalar_t z) {
   return cdf + z * pdf;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cpu(
-    const c10::optional<at::Tensor>& grad_out, const c10::optional<at::Tensor>& grad_preactivation,
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& argmax,
-    const at::Tensor& preactivation, double scale) {
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> forward_backward(
+    const std::optional<Tensor>& grad_out, const std::optional<Tensor>& grad_preactivation,
+    const Tensor& x, const Tensor& weight, const Tensor& argmax, const Tensor& preactivation,
+    double scale) {
   check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation);
   check_dtype_in("forward_backward", "x", x, kCpuDtypes, kCpuDtypesText);
   if (is_reduced_float(x)) {
-    auto [grad_x, grad_weight, grad_bias] = forward_backward_cpu(
-        to_float(grad_out), to_float(grad_preactivation), x.to(at::kFloat), weight.to(at::kFloat),
-        argmax, preactivation.to(at::kFloat), scale);
-    const auto dtype = x.scalar_type();
-    return {grad_x.to(dtype), grad_weight.to(dtype), grad_bias.to(dtype)};
+    auto [grad_x, grad_weight, grad_bias] = forward_backward(
+        to_float(grad_out), to_float(grad_preactivation), aten::to_dtype(x, kFloat),
+        aten::to_dtype(weight, kFloat), argmax, aten::to_dtype(preactivation, kFloat), scale);
+    const ScalarType dtype = x.scalar_type();
+    return {aten::to_dtype(grad_x, dtype), aten::to_dtype(grad_weight, dtype),
+            aten::to_dtype(grad_bias, dtype)};
   }
   const int64_t batch = x.size(0);
   const int64_t in_features = x.size(1);
   const int64_t pooled = weight.size(0);
 
-  const at::Tensor argmax_c = argmax.contiguous();
+  const Tensor argmax_c = aten::contiguous(argmax);
   const int64_t* argmax_ptr = argmax_c.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(argmax_ptr[b] >= 0 && argmax_ptr[b] < pooled,
+    FPG_CHECK(argmax_ptr[b] >= 0 && argmax_ptr[b] < pooled,
                 "fused_pool_gelu.forward_backward: argmax must hold indices in [0, ", pooled,
                 "), got ", argmax_ptr[b], " at position ", b);
   }
 
-  const at::Tensor x_c = x.contiguous();
-  const at::Tensor weight_c = weight.contiguous();
-  at::Tensor grad_x = cpu::empty_with_huge_pages({batch, in_features}, x.options());
-  at::Tensor grad_weight = cpu::empty_with_huge_pages({pooled, in_features}, x.options()).zero_();
-  at::Tensor grad_bias = at::zeros({pooled}, x.options());
+  const Tensor x_c = aten::contiguous(x);
+  const Tensor weight_c = aten::contiguous(weight);
+  Tensor grad_x = empty_with_huge_pages(x, {batch, in_features});
+  Tensor grad_weight = empty_with_huge_pages(x, {pooled, in_features});
+  aten::zero_(grad_weight);
+  Tensor grad_bias = aten::zeros_like_device(x, {pooled});
   if (batch == 0) return {grad_x, grad_weight, grad_bias};
 
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "forward_backward_cpu", [&] {
+  dispatch_cpu_floating(x.scalar_type(), "forward_backward", [&](auto type) {
+    using scalar_t = decltype(type);
     const scalar_t s = static_cast<scalar_t>(scale);
-    at::Tensor dz = at::empty({batch}, x.options());
-    scalar_t* dz_ptr = dz.mutable_data_ptr<scalar_t>();
-    const at::Tensor pre = preactivation.contiguous();
-    const at::Tensor g_out = grad_out.has_value() ? grad_out->contiguous() : at::Tensor();
-    const at::Tensor g_pre =
-        grad_preactivation.has_value() ? grad_preactivation->contiguous() : at::Tensor();
+    std::vector<scalar_t> dz(batch);
+    scalar_t* dz_ptr = dz.data();
+    const Tensor pre = aten::contiguous(preactivation);
+    const std::optional<Tensor> g_out =
+        grad_out ? std::optional<Tensor>(aten::contiguous(*grad_out)) : std::nullopt;
+    const std::optional<Tensor> g_pre =
+        grad_preactivation ? std::optional<Tensor>(aten::contiguous(*grad_preactivation))
+                           : std::nullopt;
     const scalar_t* pre_ptr = pre.const_data_ptr<scalar_t>();
+    const scalar_t* g_out_ptr = g_out ? g_out->const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* g_pre_ptr = g_pre ? g_pre->const_data_ptr<scalar_t>() : nullptr;
     for (int64_t b = 0; b < batch; ++b) {
       scalar_t d = scalar_t(0);
-      if (g_out.defined()) d = g_out.const_data_ptr<scalar_t>()[b] * s * gelu_grad(pre_ptr[b]);
-      if (g_pre.defined()) d += g_pre.const_data_ptr<scalar_t>()[b];
+      if (g_out_ptr) d = g_out_ptr[b] * s * gelu_grad(pre_ptr[b]);
+      if (g_pre_ptr) d += g_pre_ptr[b];
       dz_ptr[b] = d;
     }
 
     const scalar_t* x_ptr = x_c.const_data_ptr<scalar_t>();
     const scalar_t* w_ptr = weight_c.const_data_ptr<scalar_t>();
     scalar_t* gx_ptr = grad_x.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, batch, grain_for_work(in_features), [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const scalar_t* w_row = w_ptr + argmax_ptr[b] * in_features;
         scalar_t* gx_row = gx_ptr + b * in_features;
@@ -113,7 +117,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cpu(
     // and 0 + piece is the piece: a piece is never -0).
     scalar_t* gw_ptr = grad_weight.mutable_data_ptr<scalar_t>();
     scalar_t* gb_ptr = grad_bias.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, in_features, kColumnGrain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, in_features, std::max(kColumnGrain, grain_for_work(batch)),
+                 [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> piece(end - begin);
       for (int64_t n = 0; n < pooled; ++n) {
         scalar_t* gw_row = gw_ptr + n * in_features;
@@ -148,10 +153,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cpu(
   return {grad_x, grad_weight, grad_bias};
 }
 
-}  // namespace
+}  // namespace cpu
 
-TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
-  m.impl("forward_backward", &forward_backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
+  m.impl("forward_backward", TORCH_BOX(&cpu::forward_backward));
 }
 
 }  // namespace fused_pool_gelu

@@ -3,22 +3,16 @@
 // AvgPool1d over the outputs of a Linear is itself a Linear whose rows are the group means:
 //   mean_r (x . W[n*k + r] + b[n*k + r]) = x . mean_r W[n*k + r] + mean_r b[n*k + r].
 // Rows N*k .. O-1 (the O % k tail, dropped by AvgPool1d's floor) never reach the output.
-#include "checks.h"
-#include "cpu/dtypes.h"
-#include "cpu/huge_pages.h"
-
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <tuple>
 
+#include "checks.h"
+#include "cpu/dtypes.h"
+#include "cpu/huge_pages.h"
+#include "cpu/kernels.h"
+
 namespace fused_pool_gelu {
+namespace cpu {
 namespace {
 
 // Columns per register tile of pool_rows: 16 float32 sums are four SSE registers.
@@ -33,19 +27,19 @@ constexpr int64_t kPoolColumns = 16;
 template <typename scalar_t>
 void pool_columns(const scalar_t* group, int64_t stride, int64_t k, scalar_t* out,
                   int64_t width) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  opmath_t sums[kPoolColumns];
+  using opmath = opmath_t<scalar_t>;
+  opmath sums[kPoolColumns];
   for (int64_t c = 0; c < kPoolColumns; ++c) {
-    sums[c] = c < width ? static_cast<opmath_t>(group[c]) : opmath_t(0);
+    sums[c] = c < width ? static_cast<opmath>(group[c]) : opmath(0);
   }
   for (int64_t r = 1; r < k; ++r) {
     const scalar_t* row = group + r * stride;
     for (int64_t c = 0; c < kPoolColumns; ++c) {
-      sums[c] += c < width ? static_cast<opmath_t>(row[c]) : opmath_t(0);
+      sums[c] += c < width ? static_cast<opmath>(row[c]) : opmath(0);
     }
   }
   for (int64_t c = 0; c < width; ++c) {
-    out[c] = static_cast<scalar_t>(sums[c] / static_cast<opmath_t>(k));
+    out[c] = static_cast<scalar_t>(sums[c] / static_cast<opmath>(k));
   }
 }
 
@@ -53,7 +47,7 @@ void pool_columns(const scalar_t* group, int64_t stride, int64_t k, scalar_t* ou
 template <typename scalar_t>
 void pool_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t rows,
                int64_t cols, int64_t k) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_for_work(k * cols), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const scalar_t* group = src + n * k * src_stride;
       scalar_t* out = dst + n * cols;
@@ -67,32 +61,6 @@ void pool_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t r
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
-                                            const c10::optional<at::Tensor>& bias,
-                                            int64_t pool_kernel_size) {
-  check_fold_inputs(weight, bias, pool_kernel_size);
-  check_dtype_in("fold", "weight", weight, kCpuDtypes, kCpuDtypesText);
-  const int64_t k = pool_kernel_size;
-  const int64_t pooled = weight.size(0) / k;
-  const int64_t in_features = weight.size(1);
-  // Rows must be unit-stride for the inner loop; a transposed or sliced weight is copied once.
-  const at::Tensor w = weight.stride(1) == 1 ? weight : weight.contiguous();
-  at::Tensor pooled_weight = cpu::empty_with_huge_pages({pooled, in_features}, weight.options());
-  at::Tensor pooled_bias;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "fold_cpu", [&] {
-    pool_rows<scalar_t>(w.const_data_ptr<scalar_t>(), w.stride(0),
-                        pooled_weight.mutable_data_ptr<scalar_t>(), pooled, in_features, k);
-    if (bias.has_value()) {
-      const at::Tensor b = bias->contiguous();
-      pooled_bias = at::empty({pooled}, weight.options());
-      pool_rows<scalar_t>(b.const_data_ptr<scalar_t>(), 1, pooled_bias.mutable_data_ptr<scalar_t>(),
-                          pooled, 1, k);
-    }
-  });
-  if (!bias.has_value()) pooled_bias = at::zeros({pooled}, weight.options());
-  return {pooled_weight, pooled_bias};
-}
-
 // grad_weight[n*k + r] = grad_pooled_weight[n] / k for n < N, tail rows zero; bias likewise.
 // A group's rows are equal: the first of them in this thread's range is divided, the others are
 // copies of the row before (one division per pooled element, not k). A half type's quotient is
@@ -102,8 +70,8 @@ std::tuple<at::Tensor, at::Tensor> fold_cpu(const at::Tensor& weight,
 template <typename scalar_t>
 void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t pooled,
                  int64_t out_rows, int64_t cols, int64_t k) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  at::parallel_for(0, out_rows, 1, [&](int64_t begin, int64_t end) {
+  using opmath = opmath_t<scalar_t>;
+  parallel_for(0, out_rows, grain_for_work(cols), [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       scalar_t* out = dst + o * cols;
       const int64_t n = o / k;
@@ -112,7 +80,7 @@ void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t
       } else if (o % k == 0 || o == begin) {
         const scalar_t* row = src + n * src_stride;
         for (int64_t c = 0; c < cols; ++c) {
-          out[c] = static_cast<scalar_t>(static_cast<opmath_t>(row[c]) / static_cast<opmath_t>(k));
+          out[c] = static_cast<scalar_t>(static_cast<opmath>(row[c]) / static_cast<opmath>(k));
         }
       } else {
         std::copy(out - cols, out, out);
@@ -121,38 +89,64 @@ void expand_rows(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> fold_backward_cpu(const at::Tensor& grad_pooled_weight,
-                                                     const at::Tensor& grad_pooled_bias,
-                                                     int64_t out_features,
-                                                     int64_t pool_kernel_size) {
+}  // namespace
+
+std::tuple<Tensor, Tensor> fold(const Tensor& weight, const std::optional<Tensor>& bias,
+                                int64_t pool_kernel_size) {
+  check_fold_inputs(weight, bias, pool_kernel_size);
+  check_dtype_in("fold", "weight", weight, kCpuDtypes, kCpuDtypesText);
+  const int64_t k = pool_kernel_size;
+  const int64_t pooled = weight.size(0) / k;
+  const int64_t in_features = weight.size(1);
+  // Rows must be unit-stride for the inner loop; a transposed or sliced weight is copied once.
+  const Tensor w = weight.stride(1) == 1 ? weight : torch::stable::contiguous(weight);
+  Tensor pooled_weight = empty_with_huge_pages(weight, {pooled, in_features});
+  Tensor pooled_bias = bias.has_value() ? aten::empty_like_device(weight, {pooled})
+                                        : aten::zeros_like_device(weight, {pooled});
+  dispatch_cpu_floating</*with_halves=*/true>(weight.scalar_type(), "fold", [&](auto type) {
+    using scalar_t = decltype(type);
+    pool_rows<scalar_t>(w.const_data_ptr<scalar_t>(), w.stride(0),
+                        pooled_weight.mutable_data_ptr<scalar_t>(), pooled, in_features, k);
+    if (bias.has_value()) {
+      const Tensor b = aten::contiguous(*bias);
+      pool_rows<scalar_t>(b.const_data_ptr<scalar_t>(), 1, pooled_bias.mutable_data_ptr<scalar_t>(),
+                          pooled, 1, k);
+    }
+  });
+  return {pooled_weight, pooled_bias};
+}
+
+std::tuple<Tensor, Tensor> fold_backward(const Tensor& grad_pooled_weight,
+                                         const Tensor& grad_pooled_bias, int64_t out_features,
+                                         int64_t pool_kernel_size) {
   check_fold_backward_inputs(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size);
   check_dtype_in("fold_backward", "grad_pooled_weight", grad_pooled_weight, kCpuDtypes,
                  kCpuDtypesText);
   const int64_t k = pool_kernel_size;
   const int64_t pooled = grad_pooled_weight.size(0);
   const int64_t in_features = grad_pooled_weight.size(1);
-  const at::Tensor gw = grad_pooled_weight.stride(1) == 1 ? grad_pooled_weight
-                                                          : grad_pooled_weight.contiguous();
-  const at::Tensor gb = grad_pooled_bias.contiguous();
+  const Tensor gw = grad_pooled_weight.stride(1) == 1 ? grad_pooled_weight
+                                                      : torch::stable::contiguous(grad_pooled_weight);
+  const Tensor gb = aten::contiguous(grad_pooled_bias);
   // The step's largest write (256 MB at the default shape): huge pages (cpu/huge_pages.h).
-  at::Tensor grad_weight = cpu::empty_with_huge_pages({out_features, in_features}, gw.options());
-  at::Tensor grad_bias = at::empty({out_features}, gw.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, gw.scalar_type(), "fold_backward_cpu", [&] {
-        expand_rows<scalar_t>(gw.const_data_ptr<scalar_t>(), gw.stride(0),
-                              grad_weight.mutable_data_ptr<scalar_t>(), pooled, out_features,
-                              in_features, k);
-        expand_rows<scalar_t>(gb.const_data_ptr<scalar_t>(), 1,
-                              grad_bias.mutable_data_ptr<scalar_t>(), pooled, out_features, 1, k);
-      });
+  Tensor grad_weight = empty_with_huge_pages(gw, {out_features, in_features});
+  Tensor grad_bias = aten::empty_like_device(gw, {out_features});
+  dispatch_cpu_floating</*with_halves=*/true>(gw.scalar_type(), "fold_backward", [&](auto type) {
+    using scalar_t = decltype(type);
+    expand_rows<scalar_t>(gw.const_data_ptr<scalar_t>(), gw.stride(0),
+                          grad_weight.mutable_data_ptr<scalar_t>(), pooled, out_features,
+                          in_features, k);
+    expand_rows<scalar_t>(gb.const_data_ptr<scalar_t>(), 1, grad_bias.mutable_data_ptr<scalar_t>(),
+                          pooled, out_features, 1, k);
+  });
   return {grad_weight, grad_bias};
 }
 
-}  // namespace
+}  // namespace cpu
 
-TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
-  m.impl("fold", &fold_cpu);
-  m.impl("fold_backward", &fold_backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
+  m.impl("fold", TORCH_BOX(&cpu::fold));
+  m.impl("fold_backward", TORCH_BOX(&cpu::fold_backward));
 }
 
 }  // namespace fused_pool_gelu

@@ -4,25 +4,19 @@
 // blocks of rows so the [rows, N] product is a bounded scratch (rows_per_block) instead of a
 // [B, N] tensor, and one fused pass over each block does bias + GELU + scale + max + arg-max,
 // evaluating the GELU (a scalar erf) only for the columns that can win (best_column_of_row).
-#include "argmax_band.h"
-#include "checks.h"
-#include "cpu/dtypes.h"
-#include "prepared_weight.h"
-
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
-#include <ATen/ops/zeros.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
 
+#include "argmax_band.h"
+#include "checks.h"
+#include "cpu/dtypes.h"
+#include "cpu/kernels.h"
+#include "prepared_weight.h"
+
 namespace fused_pool_gelu {
+namespace cpu {
 namespace {
 
 // Rows per GEMM block: as many as keep the block's [rows, N] product within kProductBytes (the
@@ -101,44 +95,52 @@ BestColumn<scalar_t> best_column_of_row(const scalar_t* z_row, const scalar_t* b
   return best_admitted_column(z_row, bias, pooled, scale, [](scalar_t) { return true; });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
-    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-    double scale, const c10::optional<at::Tensor>& prepared_weight) {
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> forward_with_argmax(
+    const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, double scale,
+    const std::optional<Tensor>& prepared_weight) {
   check_forward_inputs(x, weight, bias);
   check_dtype_in("forward", "x", x, kCpuDtypes, kCpuDtypesText);
   // Checked as on CUDA, then unused: the CPU computes every column in x's dtype.
   if (prepared_weight.has_value()) check_prepared_weight("forward", *prepared_weight, weight);
+  const ScalarType dtype = x.scalar_type();
   if (is_reduced_float(x)) {
     // float16 / bfloat16 (e.g. under autocast): computed in float32, rounded once at the end.
-    auto [out, argmax, pre] = forward_with_argmax_cpu(x.to(at::kFloat), weight.to(at::kFloat),
-                                                      to_float(bias), scale, c10::nullopt);
-    return {out.to(x.scalar_type()), argmax, pre.to(x.scalar_type())};
+    auto [out, argmax, pre] =
+        forward_with_argmax(aten::to_dtype(x, kFloat), aten::to_dtype(weight, kFloat),
+                            to_float(bias), scale, std::nullopt);
+    return {aten::to_dtype(out, dtype), argmax, aten::to_dtype(pre, dtype)};
   }
   const int64_t batch = x.size(0);
   const int64_t pooled = weight.size(0);
-  at::Tensor out = at::empty({batch}, x.options());
-  at::Tensor argmax = at::empty({batch}, x.options().dtype(at::kLong));
-  at::Tensor preactivation = at::empty({batch}, x.options());
+  Tensor out = aten::empty_like_device(x, {batch});
+  Tensor argmax = aten::empty_like_device(x, {batch}, kLong);
+  Tensor preactivation = aten::empty_like_device(x, {batch});
   if (batch == 0) return {out, argmax, preactivation};
 
-  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const std::optional<Tensor> bias_c =
+      bias.has_value() ? std::optional<Tensor>(aten::contiguous(*bias)) : std::nullopt;
   // BLAS sees contiguous operands whatever the caller's layout (stride-0 or overlapping rows): a
-  // view and its contiguous copy then give the same bits. Given the view itself, at::mm may take
+  // view and its contiguous copy then give the same bits. Given the view itself, aten::mm may take
   // another kernel (on an AMD EPYC host it does, and the rows' sums round differently).
-  const at::Tensor weight_t = weight.contiguous().t();
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "forward_with_argmax_cpu", [&] {
+  const Tensor weight_t = aten::transposed(aten::contiguous(weight));
+  dispatch_cpu_floating(dtype, "forward", [&](auto type) {
+    using scalar_t = decltype(type);
     const scalar_t s = static_cast<scalar_t>(scale);
-    const scalar_t* bias_ptr = bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* bias_ptr = bias_c ? bias_c->const_data_ptr<scalar_t>() : nullptr;
     scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
     int64_t* argmax_ptr = argmax.mutable_data_ptr<int64_t>();
     scalar_t* pre_ptr = preactivation.mutable_data_ptr<scalar_t>();
     const int64_t block_rows = rows_per_block(pooled, sizeof(scalar_t));
     for (int64_t row0 = 0; row0 < batch; row0 += block_rows) {
       const int64_t rows = std::min(block_rows, batch - row0);
-      const at::Tensor product =
-          at::mm(x.narrow(0, row0, rows).contiguous(), weight_t);  // [rows, N]
+      // (No narrow() view in the usual one-block case: host time counts at B = 1.)
+      const Tensor x_rows = rows == batch ? x : aten::narrow(x, 0, row0, rows);
+      const Tensor product = aten::mm(aten::contiguous(x_rows), weight_t);  // [rows, N]
       const scalar_t* z_rows = product.const_data_ptr<scalar_t>();
-      at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      // A row costs more than its columns where erf runs on many of them (no band): 8 per column.
+      parallel_for(0, rows, grain_for_work(8 * pooled), [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const BestColumn<scalar_t> best =
               best_column_of_row(z_rows + i * pooled, bias_ptr, pooled, s);
@@ -155,20 +157,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_with_argmax_cpu(
 // The prepared weight's layout (prepared_weight.h), made as the CUDA kernel makes it: the same
 // scales and fp16 copy; the norms summed in double, with the CUDA kernel's floor, and rounded up
 // (upper bounds either way: a CPU-made one may be moved to the GPU and serve the certified path).
-at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
+Tensor prepare_weight(const Tensor& weight) {
   check_prepare_weight_inputs(weight);
-  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const Tensor w = aten::contiguous(aten::to_dtype(weight, kFloat));
   const int64_t n = w.size(0);
   const int64_t k = w.size(1);
   const int64_t copy_halves = prepared_copy_halves(k);
-  at::Tensor prepared = at::zeros({prepared_bytes(n, k)}, weight.options().dtype(at::kByte));
+  Tensor prepared = aten::zeros_like_device(weight, {prepared_bytes(n, k)}, kByte);
   const float* source = w.const_data_ptr<float>();
-  at::Half* const rows = reinterpret_cast<at::Half*>(prepared.mutable_data_ptr<uint8_t>());
+  Half* const rows = reinterpret_cast<Half*>(prepared.mutable_data_ptr<uint8_t>());
   float* const trailers = reinterpret_cast<float*>(rows + n * copy_halves);
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, grain_for_work(4 * k), [&](int64_t begin, int64_t end) {  // ~4 ops / element
     for (int64_t row = begin; row < end; ++row) {
       const float* v = source + row * k;
-      at::Half* copy = rows + row * copy_halves;
+      Half* copy = rows + row * copy_halves;
       float largest = 0.f;  // fmax ignores NaN, as the kernel's fmaxf does
       for (int64_t i = 0; i < k; ++i) largest = std::fmax(largest, std::fabs(v[i]));
       int exponent = 0;
@@ -180,7 +182,7 @@ at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
       double squares = 0.0, residual_squares = 0.0;
       for (int64_t i = 0; i < k; ++i) {
         const float scaled = v[i] * scale;
-        const at::Half half(std::fabs(scaled) < 0x1p-14f ? 0.f : scaled);
+        const Half half(std::fabs(scaled) < 0x1p-14f ? 0.f : scaled);
         const float residual = scaled - static_cast<float>(half);
         copy[4 * prepared_copy_group(i / 4) + i % 4] = half;
         squares += static_cast<double>(scaled) * scaled;
@@ -205,15 +207,25 @@ at::Tensor prepare_weight_cpu(const at::Tensor& weight) {
       trailer[kPreparedInverseScale] = std::ldexp(1.f, -exponent);
     }
   });
-  record_prepared_weight(prepared, weight);
   return prepared;
+}
+
+}  // namespace cpu
+
+namespace {
+
+// forward: forward_with_argmax without the outputs kept for backward.
+Tensor forward_cpu(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                   double scale, const std::optional<Tensor>& prepared_weight) {
+  return std::get<0>(cpu::forward_with_argmax(x, weight, bias, scale, prepared_weight));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
-  m.impl("forward_with_argmax", &forward_with_argmax_cpu);
-  m.impl("prepare_weight", &prepare_weight_cpu);
+STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
+  m.impl("forward_with_argmax", TORCH_BOX(&cpu::forward_with_argmax));
+  m.impl("forward", TORCH_BOX(&forward_cpu));
+  m.impl("prepare_weight", TORCH_BOX(&cpu::prepare_weight));
 }
 
 }  // namespace fused_pool_gelu

@@ -13,10 +13,10 @@
 // glibc's own glibc.malloc.hugetlb=1.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-
 #include <cstdint>
+#include <vector>
+
+#include "stable_tensor.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -25,16 +25,16 @@
 namespace fused_pool_gelu {
 namespace cpu {
 
-// at::empty(sizes, options), with the kernel asked to back the buffer's whole 2 MB-aligned pages
+// A new tensor of `sizes` like `like` (its device and dtype), with the kernel asked to back the buffer's whole 2 MB-aligned pages
 // with huge pages (only those: the allocator's neighbours in a partly covered one are not ours to
 // advise). A buffer that holds no whole 2 MB page gets no advice.
-inline at::Tensor empty_with_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor tensor = at::empty(sizes, options);
+inline Tensor empty_with_huge_pages(const Tensor& like, std::vector<int64_t> sizes) {
+  Tensor tensor = aten::empty_like_device(like, std::move(sizes));
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHugePageBytes = uintptr_t{2} << 20;
   const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
   const uintptr_t first = (begin + kHugePageBytes - 1) & ~(kHugePageBytes - 1);
-  const uintptr_t last = (begin + tensor.nbytes()) & ~(kHugePageBytes - 1);
+  const uintptr_t last = (begin + tensor.numel() * tensor.element_size()) & ~(kHugePageBytes - 1);
   if (last > first) {
     // Advice only: an error (EINVAL where the kernel has no THP) leaves an ordinary buffer.
     (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);

@@ -20,16 +20,9 @@
 // the host would need a device-to-host sync. The kernels never read out of bounds instead: such a
 // row gets NaN in grad_x (loud, not silently zero) and contributes nothing to grad_weight and
 // grad_bias (the grouping leaves it out of every segment).
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cub/block/block_discontinuity.cuh>
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -606,9 +599,9 @@ __global__ void __launch_bounds__(kSegmentThreads)
 }
 
 template <typename scalar_t>
-DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
-                                  const std::optional<at::Tensor>& grad_preactivation,
-                                  const at::Tensor& preactivation, double scale) {
+DzInputs<scalar_t> make_dz_inputs(const std::optional<Tensor>& grad_out,
+                                  const std::optional<Tensor>& grad_preactivation,
+                                  const Tensor& preactivation, double scale) {
   DzInputs<scalar_t> in;
   in.grad_out = grad_out.has_value() ? grad_out->const_data_ptr<scalar_t>() : nullptr;
   in.grad_out_stride = grad_out.has_value() ? grad_out->stride(0) : 0;
@@ -622,9 +615,9 @@ DzInputs<scalar_t> make_dz_inputs(const std::optional<at::Tensor>& grad_out,
 }
 
 template <typename scalar_t, int VEC>
-void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Tensor& argmax,
-                                  int key_bits, const Grouping& grouping, const at::Tensor& weight,
-                                  at::Tensor& grad_x, cudaStream_t stream) {
+void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const Tensor& argmax,
+                                  int key_bits, const Grouping& grouping, const Tensor& weight,
+                                  Tensor& grad_x, cudaStream_t stream) {
   const int64_t batch = grad_x.size(0);
   const int64_t in_features = grad_x.size(1);
   const int64_t warps_per_row =
@@ -636,7 +629,7 @@ void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Ten
       grid_blocks(gather_threads + kGatherThreads, kGatherThreads, "gather threads"),
       kGroupThreads, stream, attribute,
       dependent_launch_enabled<group_rows_and_grad_x_kernel<scalar_t, VEC>>(grad_x.get_device()));
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
+  STD_CUDA_CHECK(cudaLaunchKernelEx(
       &config, group_rows_and_grad_x_kernel<scalar_t, VEC>, dz_in,
       argmax.const_data_ptr<int64_t>(), argmax.stride(0), batch, weight.size(0), key_bits,
       grouping, weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1),
@@ -649,29 +642,30 @@ void launch_group_rows_and_grad_x(const DzInputs<scalar_t>& dz_in, const at::Ten
 // them, without (model_backward) they are left unwritten and `workspace` holds segment_starts (its
 // first pooled + 1 entries) for the caller. op names the calling op in errors.
 struct PooledGradients {
-  at::Tensor grad_x, grad_weight, grad_bias;
-  at::Tensor workspace;                   // the grouping and the pieces; undefined for B = 0
+  Tensor grad_x, grad_weight, grad_bias;
+  std::optional<Tensor> workspace;        // the grouping and the pieces; none for B = 0
   const int64_t* segment_starts = nullptr;  // into workspace; nullptr: every row was written
 };
 
-PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
-                                 const std::optional<at::Tensor>& grad_preactivation,
-                                 const at::Tensor& x, const at::Tensor& weight,
-                                 const at::Tensor& argmax, const at::Tensor& preactivation,
+PooledGradients pooled_gradients(const std::optional<Tensor>& grad_out,
+                                 const std::optional<Tensor>& grad_preactivation,
+                                 const Tensor& x, const Tensor& weight,
+                                 const Tensor& argmax, const Tensor& preactivation,
                                  double scale, bool zero_empty_segments, const char* op) {
   const int64_t batch = x.size(0);
   const int64_t in_features = x.size(1);
   const int64_t pooled = weight.size(0);  // >= 1 (check_forward_inputs)
-  PooledGradients result;
-  result.grad_x = at::empty({batch, in_features}, x.options());
+  PooledGradients result{aten::empty_like_device(x, {batch, in_features}),
+                         aten::empty_like_device(weight, {pooled, in_features}),
+                         aten::empty_like_device(weight, {pooled}), std::nullopt};
   if (batch == 0) {
-    result.grad_weight = at::zeros({pooled, in_features}, weight.options());
-    result.grad_bias = at::zeros({pooled}, weight.options());
+    aten::zero_(result.grad_weight);
+    aten::zero_(result.grad_bias);
     return result;
   }
-  at::Tensor& grad_x = result.grad_x;
-  at::Tensor& grad_weight = result.grad_weight = at::empty({pooled, in_features}, weight.options());
-  at::Tensor& grad_bias = result.grad_bias = at::empty({pooled}, weight.options());
+  Tensor& grad_x = result.grad_x;
+  Tensor& grad_weight = result.grad_weight;
+  Tensor& grad_bias = result.grad_bias;
 
   // Rows grouped by arg-max, increasing b within a group (group_rows): segment n is
   // order[segment_starts[n] .. segment_starts[n + 1]). One allocation (each costs host time in
@@ -680,15 +674,16 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   // reduction's pieces (segment_tiles_kernel: two per tile of sorted rows, each a row of
   // in_features floats, 8 MB at B = 4096, K = 8192), their bias pieces, and the grouping's
   // sorted_dz [batch].
-  TORCH_CHECK(pooled < int64_t{0xffffffff}, "fused_pool_gelu.", op,
+  FPG_CHECK(pooled < int64_t{0xffffffff}, "fused_pool_gelu.", op,
               ": the pooled weight must have fewer than 2^32 - 1 rows on cuda, got shape ",
-              weight.sizes());
+              sizes_text(weight));
   const int64_t grouping_ints = 2 * (pooled + 1) + 2 * batch;
   const int64_t piece_slots = 2 * ceil_div<int64_t>(batch, kSegmentTileRows);
   const int64_t floats = piece_slots * (in_features + 1) + batch;
-  result.workspace = at::empty({grouping_ints + ceil_div<int64_t>(floats, 2)}, argmax.options());
+  result.workspace =
+      aten::empty_like_device(argmax, {grouping_ints + ceil_div<int64_t>(floats, 2)});
   Grouping grouping;
-  grouping.segment_starts = result.workspace.mutable_data_ptr<int64_t>();
+  grouping.segment_starts = result.workspace->mutable_data_ptr<int64_t>();
   grouping.cursor = grouping.segment_starts + pooled + 1;
   grouping.order = grouping.cursor + pooled + 1;
   grouping.sorted_segment = grouping.order + batch;
@@ -704,7 +699,7 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   // precedes the op): each waits for the previous grid before touching memory, and its launch
   // overlaps that grid's tail instead of following it (where dependent_launch_enabled).
   const int device = x.get_device();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   FPG_DISPATCH_CUDA_FLOATING_TYPES(x.scalar_type(), "fused_pool_gelu.forward_backward", [&] {
     const DzInputs<scalar_t> dz_in =
         make_dz_inputs<scalar_t>(grad_out, grad_preactivation, preactivation, scale);
@@ -726,7 +721,7 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
         dependent_launch_config(grid_blocks(tiles * chunks, 1, "segment tiles x K chunks"),
                                 kSegmentThreads, stream, tiles_attribute,
                                 dependent_launch_enabled<segment_tiles_kernel<scalar_t>>(device));
-    C10_CUDA_CHECK(cudaLaunchKernelEx(
+    STD_CUDA_CHECK(cudaLaunchKernelEx(
         &tiles_config, segment_tiles_kernel<scalar_t>, x.const_data_ptr<scalar_t>(), x.stride(0),
         x.stride(1), static_cast<const int64_t*>(grouping.order),
         static_cast<const int64_t*>(grouping.sorted_segment),
@@ -740,7 +735,7 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
                                             "segment pieces x K chunks"),
                                 kSegmentThreads, stream, pieces_attribute,
                                 dependent_launch_enabled<segment_pieces_kernel<scalar_t>>(device));
-    C10_CUDA_CHECK(cudaLaunchKernelEx(
+    STD_CUDA_CHECK(cudaLaunchKernelEx(
         &pieces_config, segment_pieces_kernel<scalar_t>,
         static_cast<const int64_t*>(grouping.sorted_segment), segment_starts,
         static_cast<const float*>(pieces), static_cast<const float*>(bias_pieces),
@@ -750,13 +745,13 @@ PooledGradients pooled_gradients(const std::optional<at::Tensor>& grad_out,
   return result;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
-    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_preactivation,
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& argmax,
-    const at::Tensor& preactivation, double scale) {
+std::tuple<Tensor, Tensor, Tensor> forward_backward_cuda(
+    const std::optional<Tensor>& grad_out, const std::optional<Tensor>& grad_preactivation,
+    const Tensor& x, const Tensor& weight, const Tensor& argmax,
+    const Tensor& preactivation, double scale) {
   check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation);
   check_cuda_floating_dtype("forward_backward", "x", x);
-  const c10::cuda::CUDAGuard device_guard(x.device());
+  const torch::stable::accelerator::DeviceGuard device_guard(x.get_device_index());
   PooledGradients grads = pooled_gradients(grad_out, grad_preactivation, x, weight, argmax,
                                            preactivation, scale, /*zero_empty_segments=*/true,
                                            "forward_backward");
@@ -766,14 +761,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward_cuda(
 // forward_backward, then fold_backward of its pooled gradient, without writing the pooled rows of
 // empty segments (zeros, ~15 MB of the 16 MB at B = 1024 on the benchmarks' data, most of the
 // pieces kernel's time) or reading them back: fold_backward_of knows them from the grouping.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> model_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& pooled_weight,
-    const at::Tensor& argmax, const at::Tensor& preactivation, double scale, int64_t out_features,
+std::tuple<Tensor, Tensor, Tensor> model_backward_cuda(
+    const Tensor& grad_out, const Tensor& x, const Tensor& pooled_weight,
+    const Tensor& argmax, const Tensor& preactivation, double scale, int64_t out_features,
     int64_t pool_kernel_size) {
   check_model_backward_inputs(grad_out, x, pooled_weight, argmax, preactivation, out_features,
                               pool_kernel_size);
   check_cuda_floating_dtype("model_backward", "x", x);
-  const c10::cuda::CUDAGuard device_guard(x.device());
+  const torch::stable::accelerator::DeviceGuard device_guard(x.get_device_index());
   PooledGradients grads = pooled_gradients(grad_out, std::nullopt, x, pooled_weight, argmax,
                                            preactivation, scale, /*zero_empty_segments=*/false,
                                            "model_backward");
@@ -785,9 +780,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> model_backward_cuda(
 }  // namespace
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
-  m.impl("forward_backward", &cuda::forward_backward_cuda);
-  m.impl("model_backward", &cuda::model_backward_cuda);
+STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
+  m.impl("forward_backward", TORCH_BOX(&cuda::forward_backward_cuda));
+  m.impl("model_backward", TORCH_BOX(&cuda::model_backward_cuda));
 }
 
 }  // namespace fused_pool_gelu

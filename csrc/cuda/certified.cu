@@ -2,8 +2,6 @@
 // (prepare_rows_kernel), the selection of the columns that may hold each row's maximum, their
 // float32 rescoring, and certified_forward, which runs pass 1 (certified_pass1_sm90a.cu) and them.
 // The scheme and its error bound: certified.cuh.
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -551,9 +549,9 @@ CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t columns,
   static const Encode encode = [] {
     void* function = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
+    STD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
                                                     cudaEnableDefault, &found));
-    TORCH_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr,
+    FPG_CHECK(found == cudaDriverEntryPointSuccess && function != nullptr,
                 "fused_pool_gelu.forward: the CUDA driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<Encode>(function);
   }();
@@ -570,7 +568,7 @@ CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t columns,
              2, const_cast<T*>(data), dims, strides, box, element_strides,
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(result == CUDA_SUCCESS, "fused_pool_gelu.forward: cuTensorMapEncodeTiled failed (",
+  FPG_CHECK(result == CUDA_SUCCESS, "fused_pool_gelu.forward: cuTensorMapEncodeTiled failed (",
               static_cast<int>(result), ")");
   return map;
 }
@@ -579,7 +577,7 @@ CUtensorMap tensor_map(const T* data, int64_t ld, int64_t rows, int64_t columns,
 // counts (-1: every column), [batch, kMaxCandidates] candidate columns, then the rescoring's order
 // ([batch] rows, [batch] counts, its 2 ends).
 struct Selection {
-  at::Tensor workspace;
+  Tensor workspace;
   int64_t offset;  // floats before the ints
   int64_t batch;
   static int64_t ints(int64_t batch) { return batch * (3 + certified::kMaxCandidates) + 2; }
@@ -621,7 +619,7 @@ void launch_selection_and_rescoring(const GemmOperands& ops, const float* bias, 
     config.dynamicSmemBytes = spread_smem_bytes(limits, batch, certified::select_smem_bytes(n));
     dispatch_split_bound<certified::kFusedMaxSplits>(
         split_bound_for(select.splits, certified::kFusedMaxSplits), [&](auto split_bound) {
-      C10_CUDA_CHECK(cudaLaunchKernelEx(
+      STD_CUDA_CHECK(cudaLaunchKernelEx(
           &config, certified::select_rescore_kernel<decltype(split_bound)::value>, select,
           rescore, outputs.out, outputs.argmax, outputs.preactivation));
     });
@@ -636,7 +634,7 @@ void launch_selection_and_rescoring(const GemmOperands& ops, const float* bias, 
   dispatch_split_bound<certified::kMaxSplits>(
       split_bound_for(select.splits, certified::kMaxSplits), [&](auto split_bound) {
     constexpr int kSplitBound = decltype(split_bound)::value;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(
+    STD_CUDA_CHECK(cudaLaunchKernelEx(
         &select_config,
         columns_per_thread == 1 ? certified::select_candidates_kernel<kSplitBound, 1>
                                 : certified::select_candidates_kernel<kSplitBound, 4>,
@@ -646,7 +644,7 @@ void launch_selection_and_rescoring(const GemmOperands& ops, const float* bias, 
   const cudaLaunchConfig_t config =
       dependent_launch_config(batch, certified::kThreads, stream, rescore_attribute,
                               limits.dependent_launch);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel, rescore,
+  STD_CUDA_CHECK(cudaLaunchKernelEx(&config, certified::rescore_kernel, rescore,
                                     outputs.out, outputs.argmax, outputs.preactivation));
 }
 
@@ -663,7 +661,7 @@ void configure_certified_kernels(DeviceLimits& limits) {
 void launch_prepare(const float* w, int64_t ldw, int64_t n, int64_t k_padded, uint8_t* prepared,
                     cudaStream_t stream) {
   if (n == 0) return;
-  TORCH_CHECK(n <= kMaxGridX, "fused_pool_gelu.prepare_weight: weight must have at most ",
+  FPG_CHECK(n <= kMaxGridX, "fused_pool_gelu.prepare_weight: weight must have at most ",
               kMaxGridX, " rows, got ", n);
   certified::PrepareParams params{};
   params.w = w;
@@ -681,7 +679,7 @@ void launch_prepare(const float* w, int64_t ldw, int64_t n, int64_t k_padded, ui
   } else {
     certified::prepare_rows_kernel<false><<<grid, certified::kThreads, 0, stream>>>(params);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The certified forward: the weight's prepared copy (prepared_weight.h; made here unless the
@@ -692,14 +690,14 @@ void launch_prepare(const float* w, int64_t ldw, int64_t n, int64_t k_padded, ui
 CertifiedWorkspace certified_forward(const DeviceLimits& limits, const CertifiedPlan& plan,
                                      const GemmOperands& ops, const uint8_t* prepared,
                                      const float* bias, float scale, int64_t batch, int64_t n,
-                                     int64_t k_padded, const at::TensorOptions& options,
+                                     int64_t k_padded, const Tensor& like,
                                      const CertifiedOutputs& outputs, cudaStream_t stream) {
   const bool fused = plan.fused_rows;
   const int64_t block_m = plan.block_m;
   const int64_t block_n = plan.block_n;
   const int64_t k_per_split = plan.k_per_split;
   const int64_t splits = plan.splits;
-  TORCH_CHECK(splits >= 1 && splits <= plan.max_splits, "fused_pool_gelu.forward: internal error: ",
+  FPG_CHECK(splits >= 1 && splits <= plan.max_splits, "fused_pool_gelu.forward: internal error: ",
               splits, " certified splits");
   // One allocation (each costs host time in every call), freed on return: the caching allocator
   // reuses it only after this stream's kernels. The partials (bfloat16, two to a float); x's split
@@ -717,10 +715,10 @@ CertifiedWorkspace certified_forward(const DeviceLimits& limits, const Certified
                 "the ints, the fp16 copy and the bfloat16 partials share the float allocation");
   Selection selection;
   selection.workspace =
-      at::empty({selection_offset + Selection::ints(batch)}, options.dtype(at::kFloat));
+      aten::empty_like_device(like, {selection_offset + Selection::ints(batch)}, kFloat);
   selection.offset = selection_offset;
   selection.batch = batch;
-  float* const workspace = selection.workspace.data_ptr<float>();
+  float* const workspace = selection.workspace.mutable_data_ptr<float>();
   __nv_bfloat16* const partial = reinterpret_cast<__nv_bfloat16*>(workspace);
   const certified::Bound bound = certified::certified_bound(k_padded, splits, k_per_split);
   if (prepared == nullptr) {

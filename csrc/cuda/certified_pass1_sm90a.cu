@@ -25,7 +25,6 @@
 // thread leave no room for a second set); the bound models that chain (certified_bound).
 // ------------------------------------------------------------------------------------------------
 // Compiled for sm_90a alone (setup.py).
-#include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -483,11 +482,11 @@ void launch_certified_pass1(int64_t block_m, int64_t block_n, int64_t splits, bo
     using Tile = decltype(tile);
     if (block_m != Tile::kM || block_n != Tile::kN) return;
     config.dynamicSmemBytes = Tile::kSmemBytes;
-    C10_CUDA_CHECK(
+    STD_CUDA_CHECK(
         cudaLaunchKernelEx(&config, fg::certified_pass1_kernel<Tile::kM, Tile::kN>, gemm, maps));
     launched = true;
   });
-  TORCH_CHECK(launched, "fused_pool_gelu.forward: internal error: no pass-1 kernel for ", block_m,
+  FPG_CHECK(launched, "fused_pool_gelu.forward: internal error: no pass-1 kernel for ", block_m,
               " x ", block_n, " tiles");
 }
 }  // namespace cuda

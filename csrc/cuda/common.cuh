@@ -2,8 +2,8 @@
 // launch, launch checks, vectorized access.
 #pragma once
 
-#include <ATen/core/TensorBase.h>
-#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+#include <torch/csrc/stable/macros.h>
 
 #include <atomic>
 #include <cmath>
@@ -13,8 +13,17 @@
 #include <type_traits>
 #include <utility>
 
+#include "stable_tensor.h"
+
 namespace fused_pool_gelu {
 namespace cuda {
+
+// The current CUDA stream of the current device, where PyTorch's own kernels launch.
+inline cudaStream_t current_stream() {
+  void* stream = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(/*device_index=*/-1, &stream));
+  return static_cast<cudaStream_t>(stream);
+}
 
 constexpr double kSqrtHalf = 0.70710678118654752440;      // 1 / sqrt(2)
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;    // 1 / sqrt(2 pi)
@@ -124,9 +133,9 @@ bool dependent_launch_enabled(int device) {
     if (known != 0) return known == 2;
   }
   int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  STD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   cudaFuncAttributes attributes{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kKernel));
+  STD_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kKernel));
   const bool enabled = major >= 9 && attributes.ptxVersion >= 90;
   if (cached) answer[device].store(enabled ? 2 : 1, std::memory_order_relaxed);
   return enabled;
@@ -198,21 +207,21 @@ inline bool is_aligned(const void* ptr, int64_t bytes) {
 // True when the rows of `t` [rows, cols] can be read or written as AlignedVector<_, vec>: unit
 // column stride, whole vectors per row, every row start 16-byte aligned. Otherwise the callers
 // take their strided scalar paths.
-inline bool rows_are_vectorizable(const at::TensorBase& t, int vec) {
+inline bool rows_are_vectorizable(const Tensor& t, int vec) {
   return t.size(1) % vec == 0 && t.stride(1) == 1 && t.stride(0) % vec == 0 &&
          is_aligned(t.const_data_ptr(), kVectorBytes);
 }
 
 template <typename Kernel>
 void set_max_dynamic_smem(Kernel kernel, int bytes) {
-  C10_CUDA_CHECK(
+  STD_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
 template <typename Kernel>
 int resident_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
   int ctas = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem_bytes));
+  STD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem_bytes));
   return ctas;
 }
 
@@ -230,7 +239,7 @@ void for_each_value(F&& f) {
 // Calls f(std::integral_constant<int, kValues[i]>) (the values are distinct: one call).
 template <const auto& kValues, typename F>
 void dispatch_value(int i, F&& f) {
-  TORCH_CHECK(0 <= i && i < static_cast<int>(std::size(kValues)),
+  FPG_CHECK(0 <= i && i < static_cast<int>(std::size(kValues)),
               "fused_pool_gelu.forward: internal error: instance index ", i);
   for_each_value<kValues>([&](auto value) {
     if (decltype(value)::value == kValues[i]) f(value);
@@ -244,7 +253,7 @@ template <int kMaxBound, int kBound = 1, typename F>
 void dispatch_split_bound(int bound, F&& f) {
   static_assert(kMaxBound > 0 && (kMaxBound & (kMaxBound - 1)) == 0, "a power of two");
   if constexpr (kBound >= kMaxBound) {
-    TORCH_CHECK(bound == kMaxBound, "fused_pool_gelu.forward: internal error: split bound ",
+    FPG_CHECK(bound == kMaxBound, "fused_pool_gelu.forward: internal error: split bound ",
                 bound);
     f(std::integral_constant<int, kMaxBound>{});
   } else if (bound == kBound) {
@@ -261,7 +270,7 @@ constexpr int64_t kMaxGridX = 0x7fffffff;
 // against gridDim.x's limit.
 inline unsigned int grid_blocks(int64_t items, int64_t per_block, const char* what) {
   const int64_t blocks = ceil_div(items, per_block);
-  TORCH_CHECK(blocks <= kMaxGridX, "fused_pool_gelu: ", items, " ", what, " need ", blocks,
+  FPG_CHECK(blocks <= kMaxGridX, "fused_pool_gelu: ", items, " ", what, " need ", blocks,
               " CUDA blocks of ", per_block, ", more than gridDim.x's limit of ", kMaxGridX);
   return static_cast<unsigned int>(blocks);
 }
@@ -269,10 +278,24 @@ inline unsigned int grid_blocks(int64_t items, int64_t per_block, const char* wh
 }  // namespace cuda
 }  // namespace fused_pool_gelu
 
-// AT_DISPATCH over the dtypes the CUDA kernels are built for: float32, float16, bfloat16 (the
-// caller includes <ATen/Dispatch.h>). Not AT_DISPATCH_FLOATING_TYPES_AND2: that would also compile
-// float64 kernels that no check lets through.
-#define FPG_DISPATCH_CUDA_FLOATING_TYPES(TYPE, NAME, ...)                       \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
-                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)              \
-                             AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+// Calls the lambda __VA_ARGS__ with scalar_t the C++ type of TYPE, one of the dtypes the CUDA
+// kernels are built for: float32, float16, bfloat16 (no float64 kernels: no check lets it through).
+#define FPG_DISPATCH_CUDA_FLOATING_TYPES(TYPE, NAME, ...)                               \
+  [&] {                                                                               \
+    switch (TYPE) {                                                                   \
+      case ::fused_pool_gelu::kFloat: {                                               \
+        using scalar_t = float;                                                       \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      case ::fused_pool_gelu::kHalf: {                                                \
+        using scalar_t = ::fused_pool_gelu::Half;                                     \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      case ::fused_pool_gelu::kBFloat16: {                                            \
+        using scalar_t = ::fused_pool_gelu::BFloat16;                                 \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      default:                                                                        \
+        ::fused_pool_gelu::fail(NAME, ": internal error: no CUDA kernel for ", TYPE); \
+    }                                                                                 \
+  }()

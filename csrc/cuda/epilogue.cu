@@ -4,11 +4,6 @@
 // plan_epilogue picks the form: a CTA per row (256 threads, 1024 for wide rows with few splits)
 // while the batch is small, a warp per row once the rows fill the GPU; on sm_90+ it is the GEMM's
 // programmatic dependent, its CTAs spread over the SMs.
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -261,8 +256,8 @@ __global__ void __launch_bounds__(epilogue_cta_threads(kThreadsPerRow))
 template <int kThreadsPerRow, int kMaxSplitBound, int kSplitBound = 0, typename F>
 void for_each_row_epilogue(F&& f) {
   f(argmax_epilogue_kernel<kThreadsPerRow, kSplitBound, float>);
-  f(argmax_epilogue_kernel<kThreadsPerRow, kSplitBound, at::Half>);
-  f(argmax_epilogue_kernel<kThreadsPerRow, kSplitBound, at::BFloat16>);
+  f(argmax_epilogue_kernel<kThreadsPerRow, kSplitBound, Half>);
+  f(argmax_epilogue_kernel<kThreadsPerRow, kSplitBound, BFloat16>);
   if constexpr (kSplitBound < kMaxSplitBound) {
     for_each_row_epilogue<kThreadsPerRow, kMaxSplitBound, kSplitBound == 0 ? 1 : 2 * kSplitBound>(
         f);
@@ -286,13 +281,13 @@ void configure_epilogue_kernels(int device, DeviceLimits& limits) {
       dependent_launch_enabled<argmax_epilogue_kernel<kEpilogueThreads, 1, float>>(device);
 }
 
-bool epilogue_vector_aligned(const EpilogueParams& p, const at::Tensor& out) {
+bool epilogue_vector_aligned(const EpilogueParams& p, const Tensor& out) {
   return p.n % 4 == 0 && is_aligned(p.partial, 4 * sizeof(float)) &&
          (p.bias == nullptr || is_aligned(p.bias, 4 * out.element_size()));
 }
 
-void launch_epilogue(const EpiloguePlan& plan, const EpilogueParams& p, at::Tensor& out,
-                     at::Tensor& argmax, at::Tensor& preactivation, const DeviceLimits& limits,
+void launch_epilogue(const EpiloguePlan& plan, const EpilogueParams& p, Tensor& out,
+                     Tensor& argmax, Tensor& preactivation, const DeviceLimits& limits,
                      bool dependent_launch, cudaStream_t stream) {
   FPG_DISPATCH_CUDA_FLOATING_TYPES(out.scalar_type(), "fused_pool_gelu.forward", [&] {
     using out_t = scalar_t;
@@ -307,11 +302,11 @@ void launch_epilogue(const EpiloguePlan& plan, const EpilogueParams& p, at::Tens
       if (dependent_launch && kRowsPerCta == 1) {
         config.dynamicSmemBytes = spread_smem_bytes(limits, blocks, 0);
       }
-      C10_CUDA_CHECK(cudaLaunchKernelEx(
+      STD_CUDA_CHECK(cudaLaunchKernelEx(
           &config,
           argmax_epilogue_kernel<kThreadsPerRow, decltype(split_bound)::value, out_t,
                                  decltype(columns_per_load)::value>,
-          p, out.data_ptr<out_t>(), argmax.data_ptr<int64_t>(), preactivation.data_ptr<out_t>()));
+          p, out.mutable_data_ptr<out_t>(), argmax.mutable_data_ptr<int64_t>(), preactivation.mutable_data_ptr<out_t>()));
     };
     constexpr std::integral_constant<int, 1> kScalarLoads{};
     constexpr std::integral_constant<int, 4> kVectorLoads{};
@@ -337,7 +332,7 @@ void launch_epilogue(const EpiloguePlan& plan, const EpilogueParams& p, at::Tens
         launch(std::integral_constant<int, kEpilogueWideRowThreads>{}, split_bound, kScalarLoads);
       });
     } else {
-      TORCH_CHECK(plan.threads_per_row == kEpilogueThreads,
+      FPG_CHECK(plan.threads_per_row == kEpilogueThreads,
                   "fused_pool_gelu.forward: internal error: epilogue of ", plan.threads_per_row,
                   " threads per row");
       with_split_bound(kScalarMax, std::integral_constant<int, kEpilogueThreads>{}, kScalarLoads);

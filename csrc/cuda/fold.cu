@@ -13,13 +13,6 @@
 // Summation order (both paths, every dtype): acc = 0; acc += weight[n*k + r] for r = 0 .. k-1 in
 // the accumulate type (float for float16 / bfloat16, rounded once at the end); then acc / k, a true
 // division, not a multiplication by 1/k. The vectorized and the strided path give the same bits.
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <tuple>
@@ -27,6 +20,7 @@
 #include "checks.h"
 #include "cuda/common.cuh"
 #include "cuda/fold_backward.h"
+#include "cuda/kernels.h"
 
 namespace fused_pool_gelu {
 namespace cuda {
@@ -60,7 +54,7 @@ __global__ void __launch_bounds__(kFoldThreads)
                 const scalar_t* __restrict__ bias, int64_t b_stride,
                 scalar_t* __restrict__ pooled_weight, scalar_t* __restrict__ pooled_bias,
                 int64_t pooled, int64_t in_features, int64_t k, int64_t vecs_per_row) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_t<scalar_t>;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kFoldThreads + threadIdx.x;
   if (item >= pooled * vecs_per_row) return;
   const int64_t n = item / vecs_per_row;
@@ -125,7 +119,7 @@ __global__ void __launch_bounds__(kFoldBackwardThreads)
                          const int64_t* __restrict__ segment_starts, int64_t pooled,
                          int64_t out_features, int64_t in_features, int64_t k, int64_t groups,
                          int64_t vecs_per_row) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = opmath_t<scalar_t>;
   allow_dependent_launch();
   wait_for_previous_grid();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kFoldBackwardThreads + threadIdx.x;
@@ -171,8 +165,8 @@ __global__ void __launch_bounds__(kFoldBackwardThreads)
 }
 
 template <typename scalar_t, int VEC>
-void launch_fold(const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t k,
-                 at::Tensor& pooled_weight, at::Tensor& pooled_bias) {
+void launch_fold(const Tensor& weight, const std::optional<Tensor>& bias, int64_t k,
+                 Tensor& pooled_weight, Tensor& pooled_bias) {
   const int64_t pooled = pooled_weight.size(0);
   const int64_t in_features = weight.size(1);
   // At least one thread per pooled row, so that in_features == 0 still pools the bias.
@@ -181,18 +175,18 @@ void launch_fold(const at::Tensor& weight, const c10::optional<at::Tensor>& bias
   fold_kernel<scalar_t, VEC>
       <<<grid_blocks(pooled * vecs_per_row, kFoldThreads, "pooled rows x 16-byte vectors"),
          kFoldThreads, 0,
-         c10::cuda::getCurrentCUDAStream()>>>(
+         current_stream()>>>(
           weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1),
           has_bias ? bias->const_data_ptr<scalar_t>() : nullptr, has_bias ? bias->stride(0) : 0,
           pooled_weight.mutable_data_ptr<scalar_t>(), pooled_bias.mutable_data_ptr<scalar_t>(),
           pooled, in_features, k, vecs_per_row);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, int VEC>
-void launch_fold_backward(const at::Tensor& grad_pooled_weight, const at::Tensor& grad_pooled_bias,
-                          int64_t k, const int64_t* segment_starts, at::Tensor& grad_weight,
-                          at::Tensor& grad_bias) {
+void launch_fold_backward(const Tensor& grad_pooled_weight, const Tensor& grad_pooled_bias,
+                          int64_t k, const int64_t* segment_starts, Tensor& grad_weight,
+                          Tensor& grad_bias) {
   const int64_t pooled = grad_pooled_weight.size(0);
   const int64_t in_features = grad_pooled_weight.size(1);
   const int64_t out_features = grad_weight.size(0);
@@ -206,9 +200,9 @@ void launch_fold_backward(const at::Tensor& grad_pooled_weight, const at::Tensor
   const cudaLaunchConfig_t config = dependent_launch_config(
       grid_blocks(groups * vecs_per_row, kFoldBackwardThreads, "row groups x 16-byte vectors"),
       kFoldBackwardThreads,
-      c10::cuda::getCurrentCUDAStream(), attribute,
+      current_stream(), attribute,
       dependent_launch_enabled<fold_backward_kernel<scalar_t, VEC>>(grad_weight.get_device()));
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
+  STD_CUDA_CHECK(cudaLaunchKernelEx(
       &config, fold_backward_kernel<scalar_t, VEC>, grad_pooled_weight.const_data_ptr<scalar_t>(),
       grad_pooled_weight.stride(0), grad_pooled_weight.stride(1),
       grad_pooled_bias.const_data_ptr<scalar_t>(), grad_pooled_bias.stride(0),
@@ -216,17 +210,18 @@ void launch_fold_backward(const at::Tensor& grad_pooled_weight, const at::Tensor
       segment_starts, pooled, out_features, in_features, k, groups, vecs_per_row));
 }
 
-std::tuple<at::Tensor, at::Tensor> fold_cuda(const at::Tensor& weight,
-                                             const c10::optional<at::Tensor>& bias,
-                                             int64_t pool_kernel_size) {
+}  // namespace
+
+std::tuple<Tensor, Tensor> fold(const Tensor& weight, const std::optional<Tensor>& bias,
+                                int64_t pool_kernel_size) {
   check_fold_inputs(weight, bias, pool_kernel_size);
   check_cuda_floating_dtype("fold", "weight", weight);
-  const c10::cuda::CUDAGuard device_guard(weight.device());
+  const torch::stable::accelerator::DeviceGuard device_guard(weight.get_device_index());
 
   const int64_t k = pool_kernel_size;
   const int64_t pooled = weight.size(0) / k;  // >= 1: check_fold_inputs requires k <= O
-  at::Tensor pooled_weight = at::empty({pooled, weight.size(1)}, weight.options());
-  at::Tensor pooled_bias = at::empty({pooled}, weight.options());
+  Tensor pooled_weight = aten::empty_like_device(weight, {pooled, weight.size(1)});
+  Tensor pooled_bias = aten::empty_like_device(weight, {pooled});
 
   FPG_DISPATCH_CUDA_FLOATING_TYPES(weight.scalar_type(), "fused_pool_gelu.fold", [&] {
     constexpr int kVec = vector_width<scalar_t>();
@@ -239,27 +234,25 @@ std::tuple<at::Tensor, at::Tensor> fold_cuda(const at::Tensor& weight,
   return {pooled_weight, pooled_bias};
 }
 
-std::tuple<at::Tensor, at::Tensor> fold_backward_cuda(const at::Tensor& grad_pooled_weight,
-                                                      const at::Tensor& grad_pooled_bias,
+std::tuple<Tensor, Tensor> fold_backward_cuda(const Tensor& grad_pooled_weight,
+                                                      const Tensor& grad_pooled_bias,
                                                       int64_t out_features,
                                                       int64_t pool_kernel_size) {
   check_fold_backward_inputs(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size);
   check_cuda_floating_dtype("fold_backward", "grad_pooled_weight", grad_pooled_weight);
-  const c10::cuda::CUDAGuard device_guard(grad_pooled_weight.device());
+  const torch::stable::accelerator::DeviceGuard device_guard(grad_pooled_weight.get_device_index());
   return fold_backward_of(grad_pooled_weight, grad_pooled_bias, out_features, pool_kernel_size,
                           nullptr);
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> fold_backward_of(const at::Tensor& grad_pooled_weight,
-                                                    const at::Tensor& grad_pooled_bias,
+std::tuple<Tensor, Tensor> fold_backward_of(const Tensor& grad_pooled_weight,
+                                                    const Tensor& grad_pooled_bias,
                                                     int64_t out_features, int64_t pool_kernel_size,
                                                     const int64_t* segment_starts) {
   const int64_t k = pool_kernel_size;
-  at::Tensor grad_weight =
-      at::empty({out_features, grad_pooled_weight.size(1)}, grad_pooled_weight.options());
-  at::Tensor grad_bias = at::empty({out_features}, grad_pooled_weight.options());
+  Tensor grad_weight =
+      aten::empty_like_device(grad_pooled_weight, {out_features, grad_pooled_weight.size(1)});
+  Tensor grad_bias = aten::empty_like_device(grad_pooled_weight, {out_features});
   if (out_features == 0) return {grad_weight, grad_bias};
 
   const auto dtype = grad_pooled_weight.scalar_type();
@@ -279,9 +272,9 @@ std::tuple<at::Tensor, at::Tensor> fold_backward_of(const at::Tensor& grad_poole
 
 }  // namespace cuda
 
-TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
-  m.impl("fold", &cuda::fold_cuda);
-  m.impl("fold_backward", &cuda::fold_backward_cuda);
+STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
+  m.impl("fold", TORCH_BOX(&cuda::fold));
+  m.impl("fold_backward", TORCH_BOX(&cuda::fold_backward_cuda));
 }
 
 }  // namespace fused_pool_gelu

@@ -2,10 +2,10 @@
 // model_backward (backward.cu), so that both write the weight gradient with the same kernel.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
 #include <tuple>
+
+#include "stable_tensor.h"
 
 namespace fused_pool_gelu {
 namespace cuda {
@@ -15,10 +15,10 @@ namespace cuda {
 // set. With segment_starts (a device array of out_features // k + 1 entries, the arg-max
 // grouping's), pooled row n is taken as zero wherever segment_starts[n] == segment_starts[n + 1]
 // and is not read there.
-std::tuple<at::Tensor, at::Tensor> fold_backward_of(const at::Tensor& grad_pooled_weight,
-                                                    const at::Tensor& grad_pooled_bias,
-                                                    int64_t out_features, int64_t pool_kernel_size,
-                                                    const int64_t* segment_starts);
+std::tuple<Tensor, Tensor> fold_backward_of(const Tensor& grad_pooled_weight,
+                                            const Tensor& grad_pooled_bias, int64_t out_features,
+                                            int64_t pool_kernel_size,
+                                            const int64_t* segment_starts);
 
 }  // namespace cuda
 }  // namespace fused_pool_gelu

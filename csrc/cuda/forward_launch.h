@@ -4,7 +4,6 @@
 // the translation unit that compiled it, so each unit configures its own); its launch_* runs them.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 #include <cuda.h>  // CUtensorMap (a plain struct: no driver library needed at link time)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -96,12 +95,12 @@ inline fg::GemmParams gemm_params(const GemmOperands& ops, float* partial, int64
 // fastest, so that the CTAs running together share x row tiles and the weight (N x K, the smaller
 // operand at large B) stays in L2 while the batch is swept; then row tiles, then splits.
 inline dim3 tf32x3_gemm_grid(const TcPlan& plan, int64_t batch, int64_t n) {
-  TORCH_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
+  FPG_CHECK(plan.splits <= kMaxGridYZ, "fused_pool_gelu.forward: internal error: ", plan.splits,
               " splits");
   // Row tiles go on grid y (at most 65535). A workspace slice holds at most kMaxWorkspaceFloats
   // partial sums, at least one per row, so its row tiles always fit there: one launch.
   static_assert(kMaxWorkspaceFloats <= kMaxGridYZ * fg::kTcBlockM, "slice row tiles fit grid y");
-  TORCH_CHECK(batch <= kMaxGridYZ * fg::kTcBlockM, "fused_pool_gelu.forward: internal error: ",
+  FPG_CHECK(batch <= kMaxGridYZ * fg::kTcBlockM, "fused_pool_gelu.forward: internal error: ",
               batch, " rows in one tensor-core launch");
   return dim3(grid_blocks(n, fg::kTcBlockN, "weight rows"),
               static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcBlockM})),
@@ -141,11 +140,11 @@ void launch_certified_pass1(int64_t block_m, int64_t block_n, int64_t splits, bo
 inline void configure_gemm_sm90a_kernels(int, int, DeviceLimits&) {}
 inline void launch_tf32x3_gemm_sm90a(const TcPlan&, const GemmOperands&, float*, int64_t, int64_t,
                                      int64_t, cudaStream_t) {
-  TORCH_INTERNAL_ASSERT(false, "fused_pool_gelu: an sm_90a kernel in a build without sm_90a");
+  fail("fused_pool_gelu: internal error: an sm_90a kernel in a build without sm_90a");
 }
 inline void launch_certified_pass1(int64_t, int64_t, int64_t, bool, cudaStream_t,
                                    const fg::GemmParams&, const fg::TmaMaps&) {
-  TORCH_INTERNAL_ASSERT(false, "fused_pool_gelu: an sm_90a kernel in a build without sm_90a");
+  fail("fused_pool_gelu: internal error: an sm_90a kernel in a build without sm_90a");
 }
 #endif
 
@@ -163,9 +162,9 @@ struct EpilogueParams {
 // limits.spread_smem_max > 0) and limits.dependent_launch.
 void configure_epilogue_kernels(int device, DeviceLimits& limits);
 // Whether p's loads may take 4 columns at once (plan_epilogue's vector_aligned).
-bool epilogue_vector_aligned(const EpilogueParams& p, const at::Tensor& out);
-void launch_epilogue(const EpiloguePlan& plan, const EpilogueParams& p, at::Tensor& out,
-                     at::Tensor& argmax, at::Tensor& preactivation, const DeviceLimits& limits,
+bool epilogue_vector_aligned(const EpilogueParams& p, const Tensor& out);
+void launch_epilogue(const EpiloguePlan& plan, const EpilogueParams& p, Tensor& out,
+                     Tensor& argmax, Tensor& preactivation, const DeviceLimits& limits,
                      bool dependent_launch, cudaStream_t stream);
 
 // certified.cu: the certified path (prepare_weight's copy, pass 1, selection, rescoring).
@@ -178,14 +177,15 @@ struct CertifiedOutputs {
 // The call's workspace: the selection's per-row candidate counts (-1: every column) are the
 // `batch` ints at float offset counts_offset.
 struct CertifiedWorkspace {
-  at::Tensor workspace;
+  Tensor workspace;
   int64_t counts_offset;
 };
-// `prepared`: prepare_weight's copy of the weight, or nullptr to make one in the call.
+// `prepared`: prepare_weight's copy of the weight, or nullptr to make one in the call. The
+// workspace is allocated on `like`'s device.
 CertifiedWorkspace certified_forward(const DeviceLimits& limits, const CertifiedPlan& plan,
                                      const GemmOperands& ops, const uint8_t* prepared,
                                      const float* bias, float scale, int64_t batch, int64_t n,
-                                     int64_t k_padded, const at::TensorOptions& options,
+                                     int64_t k_padded, const Tensor& like,
                                      const CertifiedOutputs& outputs, cudaStream_t stream);
 // Writes prepare_weight's copy of w's n rows (prepared_bytes(n, k_padded) bytes at `prepared`).
 void launch_prepare(const float* w, int64_t ldw, int64_t n, int64_t k_padded, uint8_t* prepared,

@@ -1,7 +1,6 @@
 // The portable 3xTF32 split-K GEMM on mma.sync (sm_80 and later; on Hopper the wgmma GEMM of
 // gemm_sm90a.cu serves instead unless FUSED_POOL_GELU_FORCE_MMA_SYNC is set): tensor cores with
 // float32-class accuracy from the 3xTF32 split of every operand.
-#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -205,7 +204,7 @@ void launch_tf32x3_gemm_sm80(const TcPlan& plan, const GemmOperands& ops, float*
   const fg::GemmParams p =
       gemm_params(ops, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
   fg::tf32x3_splitk_kernel<<<grid, fg::kTcThreads, fg::kTcSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
 }
 }  // namespace cuda
 }  // namespace fused_pool_gelu

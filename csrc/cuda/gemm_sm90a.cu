@@ -41,7 +41,6 @@
 // tf32x3_splitk_kernel). While a tile's wgmmas run, the consumer waits for the next stage and
 // loads its fragments into the second register set.
 
-#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -229,11 +228,17 @@ __global__ void __launch_bounds__(kWgThreads, 1) tf32x3_wgmma_splitk_kernel(cons
 
 void configure_gemm_sm90a_kernels(int device, int max_smem_optin, DeviceLimits& limits) {
   if (std::max(fg::kWgSmemBytes, certified_pass1_max_smem_bytes()) > max_smem_optin) return;
-  // The driver may have loaded other code for this device (a PTX entry of the arch list, JIT
-  // compiled): the wgmma kernels run only where their sm_90a binary did.
+  // The wgmma kernels run only where the driver loaded their sm_90a binary. This unit carries no
+  // PTX, so where the driver will not load binaries (CUDA_FORCE_PTX_JIT=1: every module JIT
+  // compiled from its PTX) there is no code for it at all: that answer is "not here", not an error.
   cudaFuncAttributes attributes{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel));
-  if (attributes.binaryVersion != 90) return;
+  const cudaError_t loaded = cudaFuncGetAttributes(&attributes, fg::tf32x3_wgmma_splitk_kernel);
+  if (loaded == cudaErrorNoKernelImageForDevice || loaded == cudaErrorInvalidDeviceFunction) {
+    (void)cudaGetLastError();  // clears the (non-sticky) error the query recorded
+    return;
+  }
+  STD_CUDA_CHECK(loaded);
+  if (attributes.binaryVersion != 90) return;  // only sm_90a code is ever in this unit
   set_max_dynamic_smem(fg::tf32x3_wgmma_splitk_kernel, fg::kWgSmemBytes);
   configure_certified_pass1_kernels();
   limits.wgmma_ctas_per_sm =
@@ -249,7 +254,7 @@ void launch_tf32x3_gemm_sm90a(const TcPlan& plan, const GemmOperands& ops, float
   const fg::GemmParams p =
       gemm_params(ops, partial, batch, n, k_padded, plan.k_per_split, 0, batch);
   fg::tf32x3_wgmma_splitk_kernel<<<grid, fg::kWgThreads, fg::kWgSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
 }
 }  // namespace cuda
 }  // namespace fused_pool_gelu

@@ -5,7 +5,6 @@
 //                          split-K (one "split"), exact fp32 FMA.
 //   tf32x3_gemv_splitk_kernel  17-32 rows: the 3xTF32 products of the kernel below on a 32-row
 //                          batch tile, the weight streamed once as by the GEMVs.
-#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -494,7 +493,7 @@ void configure_gemv_kernels(int device, int max_smem_optin, DeviceLimits& limits
   for_each_value<fg::kRowwiseBatches>([&](auto batch) {
     constexpr int kBatch = decltype(batch)::value;
     constexpr int kSmem = fg::rowwise_smem_bytes(kBatch);
-    TORCH_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the row-parallel GEMV needs ",
+    FPG_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the row-parallel GEMV needs ",
                 kSmem, " bytes of shared memory per block, the device offers ", max_smem_optin);
     set_max_dynamic_smem(fg::rowwise_gemv_kernel<kBatch>, kSmem);
   });
@@ -502,12 +501,12 @@ void configure_gemv_kernels(int device, int max_smem_optin, DeviceLimits& limits
     dispatch_value<fg::kSimtBatchTiles>(i, [&](auto tile) {
       constexpr int kTile = decltype(tile)::value;
       constexpr int kSmem = fg::simt_smem_bytes<kTile>();
-      TORCH_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the GEMV kernel needs ",
+      FPG_CHECK(kSmem <= max_smem_optin, "fused_pool_gelu.forward: the GEMV kernel needs ",
                   kSmem, " bytes of shared memory per block, the device offers ", max_smem_optin);
       set_max_dynamic_smem(fg::simt_splitk_kernel<kTile>, kSmem);
       limits.simt_ctas_per_sm[i] =
           resident_ctas_per_sm(fg::simt_splitk_kernel<kTile>, fg::kSimtThreads, kSmem);
-      TORCH_CHECK(limits.simt_ctas_per_sm[i] >= 1,
+      FPG_CHECK(limits.simt_ctas_per_sm[i] >= 1,
                   "fused_pool_gelu.forward: the GEMV kernel cannot run on device ", device);
     });
   }
@@ -522,7 +521,7 @@ void launch_rowwise_gemv(const GemmOperands& ops, float* dot_products, int64_t b
                          int64_t k_padded, cudaStream_t stream) {
   const unsigned ctas = grid_blocks(n, fg::kRowwiseRows, "weight rows");
   const fg::GemmParams p = gemm_params(ops, dot_products, batch, n, k_padded, k_padded, 0, batch);
-  TORCH_CHECK(batch <= fg::kRowwiseMaxBatch,
+  FPG_CHECK(batch <= fg::kRowwiseMaxBatch,
               "fused_pool_gelu.forward: internal error: no row-parallel GEMV for ", batch, " rows");
   dispatch_value<fg::kRowwiseBatches>(
       smallest_at_or_above<fg::kRowwiseBatches>(batch), [&](auto rows) {
@@ -530,7 +529,7 @@ void launch_rowwise_gemv(const GemmOperands& ops, float* dot_products, int64_t b
         fg::rowwise_gemv_kernel<kBatch>
             <<<ctas, fg::kRowwiseThreads, fg::rowwise_smem_bytes(kBatch), stream>>>(p);
       });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_simt_gemv(const SimtPlan& plan, const GemmOperands& ops, float* partial,
@@ -548,7 +547,7 @@ void launch_simt_gemv(const SimtPlan& plan, const GemmOperands& ops, float* part
                       static_cast<unsigned>(ceil_div(p.rows, int64_t{kTile})));
       fg::simt_splitk_kernel<kTile>
           <<<grid, fg::kSimtThreads, fg::simt_smem_bytes<kTile>(), stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      STD_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
 }
@@ -561,7 +560,7 @@ void launch_tc_gemv(const SplitK& plan, const GemmOperands& ops, float* partial,
   const dim3 grid(n_tiles, static_cast<unsigned>(plan.splits),
                   static_cast<unsigned>(ceil_div(batch, int64_t{fg::kTcGemvBatchTile})));
   fg::tf32x3_gemv_splitk_kernel<<<grid, fg::kTcGemvThreads, fg::kTcGemvSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
 }
 }  // namespace cuda
 }  // namespace fused_pool_gelu
