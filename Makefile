@@ -72,8 +72,9 @@ node-headers: $(STAMP)
 
 wheel-cpu: sdist node-headers
 	rm -rf build dist/cpu dist/raw-cpu
-	FUSED_POOL_GELU_CUDA=0 FUSED_POOL_GELU_TORCH_HEADERS="$(NODE_TREES)" $(BIN)/python -m pip wheel -q --no-build-isolation --no-deps \
-		-w dist/raw-cpu dist/fused_pool_gelu-*.tar.gz
+	FUSED_POOL_GELU_CUDA=0 FUSED_POOL_GELU_TORCH_HEADERS="$(NODE_TREES)" \
+		$(BIN)/python -m pip wheel -q --no-build-isolation --no-deps -w dist/raw-cpu \
+		dist/fused_pool_gelu-*.tar.gz
 	PATH="$(BIN):$$PATH" $(BIN)/python -m auditwheel repair $(AUDITWHEEL_EXCLUDES) -w dist/cpu dist/raw-cpu/*.whl
 	rm -rf dist/raw-cpu
 

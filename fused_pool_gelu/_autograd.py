@@ -350,7 +350,7 @@ def _load_model_forward_node():
     under a release of that version, or under exactly the torch the wheel was built with (a
     source build against a pre-release). Anything else, or a node that fails to load, gets the
     Python node: same values and gradients, more host time per training step."""
-    release = re.fullmatch(r"(\d+)\.(\d+)\.\d+", torch.__version__.split("+")[0])
+    release = re.fullmatch(r"\d+\.\d+\.\d+", torch.__version__.split("+")[0])
     built_with = _extension.compiled_build_info()["torch"]
     minor = re.match(r"(\d+)\.(\d+)", torch.__version__)
     if minor is None:

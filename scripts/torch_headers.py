@@ -6,8 +6,9 @@ For each version: `pip download --no-deps torch==<version>` from the configured 
 of it: the headers the node uses are the same in the CPU and CUDA builds), then its torch/include
 tree to OUT_DIR/<major>.<minor>/include, with the version in OUT_DIR/<major>.<minor>/version, and
 the wheel is deleted. A tree of that version already there is kept; one of another release of the
-same minor version is replaced. setup.py builds a node against each tree when FUSED_POOL_GELU_TORCH_HEADERS=OUT_DIR
-(`make wheels` does both).
+same minor version is replaced. setup.py builds a node against each tree named in
+FUSED_POOL_GELU_TORCH_HEADERS (OUT_DIR/<major>.<minor> entries, ":"-separated); `make wheels`
+fetches NODE_TORCH's and passes them.
 """
 
 import re
