@@ -1,9 +1,11 @@
 // model_forward's and model_backward's device kernels: the whole block on the unfolded Linear
 // parameters, forward(x, *fold(weight, bias, k), scale), and its backward, each as one call of the
 // device's own kernels (no dispatcher in between). model_forward's autograd (one node: fold and
-// forward_with_argmax forward, model_backward backward) is registered from Python
-// (fused_pool_gelu/_autograd.py); model_forward's kernels serve the calls that need no gradient,
-// and _model_forward_with_argmax's that node's forward.
+// forward_with_argmax forward, model_backward backward) is registered apart (the C++ node of
+// csrc/autograd_node/, or fused_pool_gelu/_autograd.py's); model_forward's kernels serve the calls
+// that need no gradient, and _model_forward_with_argmax's that node's forward.
+// _model_forward_and_fold is model_forward that also returns the fold it made, ModelNew's training
+// call after a parameter update (its cache keeps the fold).
 //
 // A caller that holds fold(weight, bias, k) (ModelNew's cache, unchanged parameters) passes it as
 // pooled_weight and pooled_bias, with its prepared copy if it has one: the forward then skips the
@@ -59,6 +61,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> model_forward_with_argmax_ker
   return {out, argmax, preactivation, pooled_weight, pooled_bias};
 }
 
+// _model_forward_and_fold: model_forward's output and the fold it made, for ModelNew's cache (its
+// autograd kernel, the C++ or Python node, calls _model_forward_with_argmax below autograd; this
+// serves calls that need no gradient).
+template <auto fold, auto forward_with_argmax>
+std::tuple<Tensor, Tensor, Tensor> model_forward_and_fold_kernel(
+    const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+    int64_t pool_kernel_size, double scale) {
+  check_model_forward_inputs(x, weight);
+  auto [pooled_weight, pooled_bias] = fold(weight, bias, pool_kernel_size);
+  Tensor out = std::get<0>(forward_with_argmax(x, pooled_weight, pooled_bias, scale, std::nullopt));
+  return {out, pooled_weight, pooled_bias};
+}
+
 // model_backward on the CPU: the two ops it stands for (CUDA has a kernel of its own, which skips
 // the pooled gradient's zero rows: cuda/backward.cu).
 std::tuple<Tensor, Tensor, Tensor> model_backward_cpu(
@@ -80,6 +95,8 @@ STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CPU, m) {
          TORCH_BOX((&model_forward_kernel<cpu::fold, cpu::forward_with_argmax>)));
   m.impl("_model_forward_with_argmax",
          TORCH_BOX((&model_forward_with_argmax_kernel<cpu::fold, cpu::forward_with_argmax>)));
+  m.impl("_model_forward_and_fold",
+         TORCH_BOX((&model_forward_and_fold_kernel<cpu::fold, cpu::forward_with_argmax>)));
   m.impl("model_backward", TORCH_BOX(&model_backward_cpu));
 }
 
@@ -89,6 +106,8 @@ STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CUDA, m) {
          TORCH_BOX((&model_forward_kernel<cuda::fold, cuda::forward_with_argmax>)));
   m.impl("_model_forward_with_argmax",
          TORCH_BOX((&model_forward_with_argmax_kernel<cuda::fold, cuda::forward_with_argmax>)));
+  m.impl("_model_forward_and_fold",
+         TORCH_BOX((&model_forward_and_fold_kernel<cuda::fold, cuda::forward_with_argmax>)));
 }
 #endif
 

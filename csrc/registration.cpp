@@ -64,6 +64,11 @@ STABLE_TORCH_LIBRARY(fused_pool_gelu, m) {
       "_model_forward_with_argmax(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, "
       "float scale) -> (Tensor out, Tensor argmax, Tensor preactivation, Tensor pooled_weight, "
       "Tensor pooled_bias)");
+  // model_forward without a given fold, also returning the fold it made (no gradient flows through
+  // those two): ModelNew's training call after a parameter update, whose cache keeps that fold.
+  m.def(
+      "_model_forward_and_fold(Tensor x, Tensor weight, Tensor? bias, int pool_kernel_size, "
+      "float scale) -> (Tensor out, Tensor pooled_weight, Tensor pooled_bias)");
   // Diagnostics: per row, the columns the certified selection sends to rescoring (-1: all).
   m.def(
       "_certified_candidate_counts(Tensor x, Tensor weight, Tensor? bias, float scale) -> Tensor");
@@ -121,6 +126,11 @@ static std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> model_forward_with_arg
   fail_without_kernel("_model_forward_with_argmax", {{"x", &x}, {"weight", &weight}});
 }
 
+static std::tuple<Tensor, Tensor, Tensor> model_forward_and_fold_without_kernel(
+    const Tensor& x, const Tensor& weight, const std::optional<Tensor>&, int64_t, double) {
+  fail_without_kernel("model_forward", {{"x", &x}, {"weight", &weight}});
+}
+
 static std::tuple<Tensor, Tensor, Tensor> forward_backward_without_kernel(
     const std::optional<Tensor>&, const std::optional<Tensor>&, const Tensor& x,
     const Tensor& weight, const Tensor& argmax, const Tensor& preactivation, double) {
@@ -147,6 +157,7 @@ STABLE_TORCH_LIBRARY_IMPL(fused_pool_gelu, CompositeExplicitAutograd, m) {
   m.impl("forward", TORCH_BOX(&forward_without_kernel));
   m.impl("model_forward", TORCH_BOX(&model_forward_without_kernel));
   m.impl("_model_forward_with_argmax", TORCH_BOX(&model_forward_with_argmax_without_kernel));
+  m.impl("_model_forward_and_fold", TORCH_BOX(&model_forward_and_fold_without_kernel));
   m.impl("forward_backward", TORCH_BOX(&forward_backward_without_kernel));
   m.impl("model_backward", TORCH_BOX(&model_backward_without_kernel));
   m.impl("prepare_weight", TORCH_BOX(&prepare_weight_without_kernel));

@@ -16,7 +16,8 @@ of the fold comes for free). forward_with_argmax's derivative is the arg-max bac
 GEMM); forward goes through forward_with_argmax when a gradient is needed. model_forward is fold
 and forward_with_argmax in one node (forward_with_argmax alone on a fold the caller gives) whose
 backward is model_backward; that node's forward calls _model_forward_with_argmax, which folds and
-returns what the node saves.
+returns what the node saves. _model_forward_and_fold is the same node returning the fold it made
+as well (no gradient flows through it), for ModelNew's cache after a parameter update.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ class _ModelForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight, pooled_bias,
                 prepared_weight, fold_sink=None):
-        # fold_sink: a list that receives the fold made here (ModelNew caches it), or None.
+        # fold_sink: a list that receives the fold made here (_model_forward_and_fold), or None.
         with _below_autograd():
             if pooled_weight is None:
                 out, argmax, preactivation, pooled_weight, pooled_bias = (
@@ -287,17 +288,30 @@ def _model_forward_autograd_python(x, weight, bias, pool_kernel_size, scale, poo
 
 
 def _model_forward_on_cached_fold_python(x, weight, bias, pool_kernel_size, scale, pooled_weight,
-                                         pooled_bias, fold_sink=None):
+                                         pooled_bias):
     """ModelNew's eager training call: model_forward's autograd node on the fold that ModelNew's
-    cache made of this weight, bias and pool_kernel_size (nothing of it to check), or, with
-    pooled_weight and pooled_bias None, on the fold it makes, which it appends to fold_sink for
-    the cache; where ModelNew found a gradient needed and autocast and torch.func transforms off.
-    The checks and routing of ops.model_forward and model_forward_autograd that this skips are
-    host time on every step."""
+    cache made of this weight, bias and pool_kernel_size (nothing of it to check), where ModelNew
+    found a gradient needed and autocast and torch.func transforms off. The checks and routing of
+    ops.model_forward and model_forward_autograd that this skips are host time on every step."""
     check_model_forward_inputs(x, weight)
     _check_no_tangents("model_forward", ("x", "weight", "bias"), (x, weight, bias))
     return _ModelForward.apply(x, weight, bias, pool_kernel_size, scale, pooled_weight,
-                               pooled_bias, None, fold_sink)
+                               pooled_bias, None)
+
+
+def _model_forward_and_fold_python(x, weight, bias, pool_kernel_size, scale):
+    """_model_forward_and_fold's autograd kernel in Python: model_forward's node, which folds, and
+    the fold it made (ModelNew's training call after a parameter update; its cache keeps the
+    fold, one op call fewer than folding first)."""
+    check_model_forward_inputs(x, weight)
+    _check_no_tangents("model_forward", ("x", "weight", "bias"), (x, weight, bias))
+    if not _needs_grad(x, weight, bias):
+        with _below_autograd():
+            return _ops._model_forward_and_fold(x, weight, bias, pool_kernel_size, scale)
+    fold_sink = []
+    out = _ModelForward.apply(x, weight, bias, pool_kernel_size, scale, None, None, None,
+                              fold_sink)
+    return (out, *fold_sink[0])
 
 
 def forward_on_cached_fold(x, pooled_weight, pooled_bias, scale, prepared_weight):
@@ -376,15 +390,18 @@ if MODEL_FORWARD_NODE is not None:
     # The node is model_forward's Autograd kernel: the op itself, with C++ checks.
     model_forward_autograd = _ops.model_forward.default
 
+    model_forward_and_fold = _ops._model_forward_and_fold.default
+
     def model_forward_on_cached_fold(x, weight, bias, pool_kernel_size, scale, pooled_weight,
                                      pooled_bias):
-        # ModelNew's training call on its cached fold (the C++ node keeps a fold it makes to
-        # itself: ModelNew folds through its cache first, as fold_sink is the Python node's).
+        # ModelNew's training call on its cached fold.
         return model_forward_autograd(x, weight, bias, pool_kernel_size, scale, pooled_weight,
                                       pooled_bias, None)
 else:
     model_forward_autograd = _model_forward_autograd_python
     model_forward_on_cached_fold = _model_forward_on_cached_fold_python
+    # Called directly by ModelNew (no round trip through the dispatcher into Python).
+    model_forward_and_fold = _model_forward_and_fold_python
 
 
 for _name, _kernel in (
@@ -401,3 +418,4 @@ for _name, _kernel in (
     _lib.impl(_name, _kernel, "Autograd")
 if MODEL_FORWARD_NODE is None:
     _lib.impl("model_forward", model_forward_autograd, "Autograd")
+    _lib.impl("_model_forward_and_fold", _model_forward_and_fold_python, "Autograd")

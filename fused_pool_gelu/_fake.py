@@ -82,6 +82,13 @@ def _model_forward_with_argmax_fake(x, weight, bias, pool_kernel_size, scale):
             pooled_bias)
 
 
+@torch.library.register_fake("fused_pool_gelu::_model_forward_and_fold")
+def _model_forward_and_fold_fake(x, weight, bias, pool_kernel_size, scale):
+    check_model_forward_inputs(x, weight)
+    pooled_weight, pooled_bias = _fold_fake(weight, bias, pool_kernel_size)
+    return _forward_fake(x, pooled_weight, pooled_bias, scale, None), pooled_weight, pooled_bias
+
+
 @torch.library.register_fake("fused_pool_gelu::forward_backward")
 def _forward_backward_fake(grad_out, grad_preactivation, x, weight, argmax, preactivation, scale):
     check_forward_backward_inputs(grad_out, grad_preactivation, x, weight, argmax, preactivation)

@@ -228,14 +228,27 @@ def store(miss: Miss, weight: Tensor, bias: Optional[Tensor],
     where the parameters can be cached."""
     if not _cacheable(weight, bias):
         return
-    refs = storage_refs(weight, bias, miss.stamped)
-    if refs is not None:
-        # A snapshot (one C-level copy): other threads may add entries meanwhile.
+    previous = _ENTRIES.get(miss.key)
+    if previous is not None and not any(ref.expired() for ref in previous[1]):
+        # The same live storages (the key holds their addresses): a parameter update, every
+        # training step. Their references are kept, where new ones would cost host time per step;
+        # the storages must still be the stamped ones, as storage_refs checks.
+        refs = previous[1]
+        if weight.untyped_storage()._cdata != miss.stamped[0] or (
+                bias is not None and bias.untyped_storage()._cdata != miss.stamped[1]):
+            return
+    else:
+        refs = storage_refs(weight, bias, miss.stamped)
+        if refs is None:
+            return
+    if len(_ENTRIES) > (previous is not None):
+        # Other parameters' entries: drop those whose storages died. A snapshot (one C-level
+        # copy): other threads may add entries meanwhile.
         for stale_key in [k for k, (_, r, _, _) in list(_ENTRIES.items())
                           if any(ref.expired() for ref in r)]:
             _ENTRIES.pop(stale_key, None)
-        _ENTRIES[miss.key] = (miss.stamped, refs, folded,
-                              (folded[0]._version, folded[1]._version, miss.optimizer_steps))
+    _ENTRIES[miss.key] = (miss.stamped, refs, folded,
+                          (folded[0]._version, folded[1]._version, miss.optimizer_steps))
 
 
 def cached_fold(weight: Tensor, bias: Optional[Tensor], pool_kernel_size: int,

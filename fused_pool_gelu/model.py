@@ -386,18 +386,17 @@ class ModelNew(nn.Module):
                 if self._capturing() or _fold_cache.needs_recorded_fold(weight):
                     return ops.model_forward(x, weight, bias, pool_kernel_size, scale)
                 cached = None
-                if _autograd.MODEL_FORWARD_NODE is None and type(x) in (Tensor, nn.Parameter):
-                    # The Python node, on a miss, folds in the same call as its forward, and the
-                    # cache keeps that fold (one op call from Python fewer than folding first, at
-                    # every parameter update; the C++ node's calls cost little). Not for a tensor
-                    # subclass x, whose type the fold would take.
+                if type(x) in (Tensor, nn.Parameter):
+                    # On a miss (every step after a parameter update) the node folds in the same
+                    # op as its forward, and the cache keeps that fold: one op call from Python
+                    # fewer than folding first. Not for a tensor subclass x, whose type the fold
+                    # would take.
                     cached, miss = _fold_cache.lookup(weight, bias, pool_kernel_size)
                     if cached is None and miss is not None:
-                        fold_sink = []
-                        out = _autograd.model_forward_on_cached_fold(
-                            x, weight, bias, pool_kernel_size, scale, None, None, fold_sink
+                        out, pooled_weight, pooled_bias = _autograd.model_forward_and_fold(
+                            x, weight, bias, pool_kernel_size, scale
                         )
-                        _fold_cache.store(miss, weight, bias, (*fold_sink[0], None))
+                        _fold_cache.store(miss, weight, bias, (pooled_weight, pooled_bias, None))
                         return out
                 if cached is None:
                     cached = self._folded(weight, bias, pool_kernel_size, prepare=False)

@@ -114,36 +114,59 @@ def _cpp_node(x, weight, bias, k, scale, pooled_weight=None, pooled_bias=None):
     return _OPS.model_forward(x, weight, bias, k, scale, pooled_weight, pooled_bias)
 
 
-def _run(node, x, weight, bias, k, scale, grads, given_fold):
+def _python_node_and_fold(x, weight, bias, k, scale):
+    return _autograd._model_forward_and_fold_python(x, weight, bias, k, scale)
+
+
+def _cpp_node_and_fold(x, weight, bias, k, scale):
+    return _OPS._model_forward_and_fold(x, weight, bias, k, scale)
+
+
+def _run(node, x, weight, bias, k, scale, grads, fold_mode):
+    """[out, the leaves' gradients], then, where the node returns the fold it made, that fold."""
     leaves = [t.detach().clone().requires_grad_(name in grads)
               for name, t in (("x", x), ("weight", weight), ("bias", bias)) if t is not None]
     x_, w_ = leaves[0], leaves[1]
     b_ = leaves[2] if bias is not None else None
-    fold = fused_pool_gelu.fold(weight, bias, k) if given_fold else (None, None)
-    out = node(x_, w_, b_, k, scale, *fold)
+    fold = fused_pool_gelu.fold(weight, bias, k) if fold_mode == "given-fold" else (None, None)
+    made_fold = []
+    if fold_mode == "returns-fold":
+        out, *made_fold = node(x_, w_, b_, k, scale)
+        assert not any(t.requires_grad for t in made_fold)
+    else:
+        out = node(x_, w_, b_, k, scale, *fold)
     generator = torch.Generator(out.device).manual_seed(1)
     grad_out = torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype)
     out.backward(grad_out)
-    return [out.detach()] + [t.grad for t in leaves]
+    return [out.detach()] + [t.grad for t in leaves] + made_fold
 
 
 _DTYPES = {"cpu": (torch.float32, torch.float64), "cuda": (torch.float32, torch.bfloat16)}
 
 
 @needs_cpp_node
-@pytest.mark.parametrize("given_fold", [False, True], ids=["folds", "given-fold"])
+@pytest.mark.parametrize("fold_mode", ["folds", "given-fold", "returns-fold"])
 @pytest.mark.parametrize("grads", ["x weight bias", "weight", "x"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("shape", [(1, 33, 50, 4), (7, 64, 48, 16), (130, 17, 9, 9)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_the_cpp_node_gives_the_python_nodes_values_and_gradients_bit_for_bit(
-        device, make_inputs, shape, with_bias, grads, given_fold):
+        device, make_inputs, shape, with_bias, grads, fold_mode):
+    # returns-fold: _model_forward_and_fold (ModelNew's call after a parameter update), whose fold
+    # outputs must also be the fold's.
     batch, in_features, out_features, k = shape
+    returns_fold = fold_mode == "returns-fold"
     for dtype in _DTYPES[device]:
         x, weight, bias = make_inputs(batch, in_features, out_features, dtype, device, with_bias)
         grads_ = grads.split()
-        cpp = _run(_cpp_node, x, weight, bias, k, -1.5, grads_, given_fold)
-        python = _run(_python_node, x, weight, bias, k, -1.5, grads_, given_fold)
+        cpp = _run(_cpp_node_and_fold if returns_fold else _cpp_node, x, weight, bias, k, -1.5,
+                   grads_, fold_mode)
+        python = _run(_python_node_and_fold if returns_fold else _python_node, x, weight, bias,
+                      k, -1.5, grads_, fold_mode)
+        assert len(cpp) == len(python)
+        if returns_fold:
+            for got, want in zip(cpp[-2:], fused_pool_gelu.fold(weight, bias, k)):
+                assert torch.equal(got, want)
         for got, want in zip(cpp, python):
             assert (got is None) == (want is None)
             if got is not None:
@@ -191,6 +214,27 @@ def test_the_cpp_node_refuses_what_the_python_node_refuses_with_its_message(devi
     assert cpp.startswith(("fused_pool_gelu.model_forward: ", "fused_pool_gelu.fold: "))
 
 
+_AND_FOLD_BAD_CALLS = ["x 3-D", "weight width", "k 0", "k past out_features", "bias shape"]
+
+
+@needs_cpp_node
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["grad", "no-grad"])
+@pytest.mark.parametrize("case", _AND_FOLD_BAD_CALLS)
+def test_the_cpp_node_returning_the_fold_refuses_what_the_python_one_does(device, case,
+                                                                          requires_grad):
+    x, weight, bias = _bad_calls(device, requires_grad)["x 3-D"][:3]
+    x = x[0]
+    args = {"x 3-D": (x[None], weight, bias, 4),
+            "weight width": (x[:, :11], weight, bias, 4),
+            "k 0": (x, weight, bias, 0),
+            "k past out_features": (x, weight, bias, 9),
+            "bias shape": (x, weight, bias[:7], 4)}[case]
+    cpp = _error(lambda: _OPS._model_forward_and_fold(*args, 2.0))
+    python = _error(lambda: _autograd._model_forward_and_fold_python(*args, 2.0))
+    assert cpp == python
+    assert cpp.startswith(("fused_pool_gelu.model_forward: ", "fused_pool_gelu.fold: "))
+
+
 @needs_cpp_node
 @pytest.mark.parametrize("name", ["x", "weight", "bias"])
 def test_the_cpp_node_refuses_a_forward_mode_tangent(device, name):
@@ -199,9 +243,10 @@ def test_the_cpp_node_refuses_a_forward_mode_tangent(device, name):
                "bias": torch.randn(8, device=device)}
     with forward_ad.dual_level():
         tensors[name] = forward_ad.make_dual(tensors[name], torch.ones_like(tensors[name]))
-        with pytest.raises(RuntimeError, match=rf"fused_pool_gelu\.model_forward: {name} carries "
-                           "a forward-mode AD tangent"):
-            _OPS.model_forward(tensors["x"], tensors["weight"], tensors["bias"], 4, 2.0)
+        for op in (_OPS.model_forward, _OPS._model_forward_and_fold):
+            with pytest.raises(RuntimeError, match=rf"fused_pool_gelu\.model_forward: {name} "
+                               "carries a forward-mode AD tangent"):
+                op(tensors["x"], tensors["weight"], tensors["bias"], 4, 2.0)
 
 
 @needs_cpp_node

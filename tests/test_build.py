@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # model_backward on the CUDA device has a kernel of its own.
 CPU_KERNEL_OPS = ["fold", "fold_backward", "forward_with_argmax", "forward", "forward_backward",
                   "prepare_weight", "model_forward", "model_backward",
-                  "_model_forward_with_argmax"]
+                  "_model_forward_with_argmax", "_model_forward_and_fold"]
 CUDA_KERNEL_OPS = CPU_KERNEL_OPS + ["_certified_candidate_counts"]
 
 

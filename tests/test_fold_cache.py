@@ -384,6 +384,30 @@ def test_an_entry_dies_with_its_parameters():
                for ref in refs)
 
 
+def test_a_parameter_update_keeps_the_entrys_references_and_prunes_freed_entries():
+    # Refolding after an update (every training step) keeps the live storages' weak references
+    # (no new ones per step) and still drops the entries of freed parameters.
+    _, model = _models("cpu")
+    _, other = _models("cpu", seed=1)
+    with torch.no_grad():
+        model(_x("cpu"))
+        other(_x("cpu"))
+    freed = model.matmul.weight.untyped_storage()._cdata
+    key = next(k for k in _fold_cache._ENTRIES
+               if k[0] == other.matmul.weight.untyped_storage()._cdata)
+    refs = _fold_cache._ENTRIES[key][1]
+    del model
+    gc.collect()
+    with torch.no_grad():
+        other.matmul.weight.add_(1.0)
+    other(_x("cpu", requires_grad=True)).sum().backward()  # a training step's miss
+    assert not any(k[0] == freed for k in _fold_cache._ENTRIES)
+    assert _fold_cache._ENTRIES[key][1] is refs
+    with torch.no_grad():  # the entry the step made serves the next call
+        _, folds = _folds_run(lambda: other(_x("cpu")), calls=1)
+    assert folds == 0
+
+
 def test_a_data_edit_is_served_stale_until_invalidate_fold(device):
     reference, model = _models(device)
     x = _x(device)

@@ -39,7 +39,8 @@ def _pair(args, device="cpu", dtype=torch.float32, seed=1234):
 def fold_calls(monkeypatch):
     """Counts the calls that fold the weight on ModelNew's paths, at the ops that fold: ops.fold,
     the fold cache's own fold call, and the training node's _model_forward_with_argmax (which
-    ops.model_forward reaches when it must fold)."""
+    ops.model_forward reaches when it must fold), or, with the C++ node (which calls it from C++),
+    ModelNew's call of that node after a parameter update (model_forward_and_fold)."""
     calls = []
 
     def counting(real):
@@ -48,8 +49,10 @@ def fold_calls(monkeypatch):
             return real(*args, **kwargs)
         return count
 
-    for module, attribute in ((ops, "fold"), (_fold_cache, "_FOLD"),
-                              (_autograd, "_model_forward_with_argmax")):
+    patched = [(ops, "fold"), (_fold_cache, "_FOLD"), (_autograd, "_model_forward_with_argmax")]
+    if _autograd.MODEL_FORWARD_NODE is not None:
+        patched.append((_autograd, "model_forward_and_fold"))
+    for module, attribute in patched:
         monkeypatch.setattr(module, attribute, counting(getattr(module, attribute)))
     return calls
 

@@ -727,6 +727,36 @@ def test_model_forward_with_argmax_checks_its_inputs_as_model_forward(device, ma
         _OPS._model_forward_with_argmax(x, weight, bias, 13, 2.0)
 
 
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("case", ["bias", "no_bias", "k1", "empty_batch"])
+def test_opcheck_model_forward_and_fold(case, requires_grad, device):
+    name = "model_forward" if case == "bias" else f"model_forward_{case}"
+    _, (x, weight, bias, k, scale) = _opcheck_cases(device, requires_grad)[0][name]
+    opcheck(_OPS._model_forward_and_fold.default, (x, weight, bias, k, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("shape", MODEL_FORWARD_WITH_ARGMAX_SHAPES, ids=str)
+def test_model_forward_and_fold_is_model_forward_and_its_fold_bit_for_bit(
+    shape, has_bias, dtype, device, make_inputs
+):
+    batch, in_features, out_features, k = shape
+    x, weight, bias = make_inputs(batch, in_features, out_features, dtype, device, bias=has_bias)
+    weight.requires_grad_(True)
+    got = _OPS._model_forward_and_fold(x, weight, bias, k, -1.5)
+    expected = (ops.model_forward(x, weight, bias, k, -1.5), *ops.fold(weight, bias, k))
+    assert len(got) == 3
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    # The fold carries no gradient; the output's reaches the weight as model_forward's does.
+    assert got[0].requires_grad and not got[1].requires_grad and not got[2].requires_grad
+    grad_out = torch.randn_like(got[0])
+    (got_grad,) = torch.autograd.grad(got[0], weight, grad_out)
+    (expected_grad,) = torch.autograd.grad(expected[0], weight, grad_out)
+    assert torch.equal(got_grad, expected_grad)
+
+
 @pytest.mark.parametrize("grads", ["out", "preactivation", "both"])
 def test_opcheck_forward_backward(grads, device):
     # forward_backward's own autograd raises by design (no double backward): requires_grad off.

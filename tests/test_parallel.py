@@ -122,10 +122,13 @@ def _assert_matches_unsharded(sharded, full, x, grad_out, tol, equal_nan=False):
 def _path_taken():
     """Counts the folds of ModelNew's fused path (the plan's included) and the calls of Model's
     computation. A fold is counted at the ops that fold: ops.fold, the fold cache's own fold call,
-    and the training node's _model_forward_with_argmax."""
+    and the training node's _model_forward_with_argmax, or, with the C++ node (which calls it from
+    C++), ModelNew's call of that node after a parameter update (model_forward_and_fold)."""
     counts = {"fused": 0, "reference": 0}
     patched = [(fused_pool_gelu.ops, "fold"), (_fold_cache, "_FOLD"),
                (_autograd, "_model_forward_with_argmax")]
+    if _autograd.MODEL_FORWARD_NODE is not None:
+        patched.append((_autograd, "model_forward_and_fold"))
     real = {(module, name): getattr(module, name) for module, name in patched}
     real_reference = ModelNew._reference_forward
 

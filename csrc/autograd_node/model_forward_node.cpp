@@ -15,7 +15,9 @@
 // what the arg-max backward needs. The backward calls model_backward (forward_backward then
 // fold_backward in one op) or, when only x needs a gradient, forward_backward alone: the same sums
 // in the same order as the separate ops' backward, so the same bits, and the same as the Python
-// node's.
+// node's. _model_forward_and_fold's kernel is the same node returning the fold it made as well
+// (ModelNew's call after a parameter update, whose cache keeps it: one op call fewer than folding
+// first).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -63,6 +65,15 @@ call_model_forward_with_argmax(const at::Tensor& x, const at::Tensor& weight,
   return op.call(x, weight, bias, pool_kernel_size, scale);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_model_forward_and_fold(
+    const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
+    int64_t pool_kernel_size, double scale) {
+  static auto op = find_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, double)>(
+      "fused_pool_gelu::_model_forward_and_fold");
+  return op.call(x, weight, bias, pool_kernel_size, scale);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_forward_with_argmax(
     const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, double scale,
     const OptionalTensor& prepared_weight) {
@@ -92,6 +103,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_model_backward(
                  pool_kernel_size);
 }
 
+// What the arg-max backward needs, saved by either node's forward.
+void save_for_backward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                       const OptionalTensor& bias, int64_t pool_kernel_size, double scale,
+                       const at::Tensor& pooled_weight, const at::Tensor& argmax,
+                       const at::Tensor& preactivation) {
+  ctx->save_for_backward({x, pooled_weight, argmax, preactivation});
+  ctx->saved_data["out_features"] = weight.sym_size(0);  // symbolic under tracing
+  ctx->saved_data["pool_kernel_size"] = pool_kernel_size;
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["has_bias"] = bias.has_value();
+}
+
+// The gradients of x, weight and bias (undefined where not needed or no bias), from grad_out.
+variable_list backward_of(AutogradContext* ctx, const at::Tensor& grad_out) {
+  const variable_list saved = ctx->get_saved_variables();
+  const at::Tensor& x = saved[0];
+  const at::Tensor& pooled_weight = saved[1];
+  const at::Tensor& argmax = saved[2];
+  const at::Tensor& preactivation = saved[3];
+  const bool needs_x = ctx->needs_input_grad(0);
+  const bool needs_weight = ctx->needs_input_grad(1);
+  const bool needs_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
+  const double scale = ctx->saved_data["scale"].toDouble();
+
+  // With create_graph (grad mode on here) the ops go through their autograd kernels, which
+  // raise a clear error on a gradient of these gradients; otherwise straight to the device
+  // kernels. No gradient for the preactivation output: the separate ops' autograd passes zeros
+  // there, an allocation and a fill per step for nothing but the sign of a zero grad_x.
+  std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+  if (!at::GradMode::is_enabled()) below_autograd.emplace();
+  at::Tensor grad_x, grad_weight, grad_bias;
+  if (needs_weight || needs_bias) {
+    std::tie(grad_x, grad_weight, grad_bias) = call_model_backward(
+        grad_out, x, pooled_weight, argmax, preactivation, scale,
+        ctx->saved_data["out_features"].toSymInt().guard_int(__FILE__, __LINE__),
+        ctx->saved_data["pool_kernel_size"].toInt());
+  } else {
+    grad_x = std::get<0>(
+        call_forward_backward(grad_out, x, pooled_weight, argmax, preactivation, scale));
+  }
+  return {needs_x ? grad_x : at::Tensor(), needs_weight ? grad_weight : at::Tensor(),
+          needs_bias ? grad_bias : at::Tensor()};
+}
+
 struct ModelForward : public torch::autograd::Function<ModelForward> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const OptionalTensor& bias, int64_t pool_kernel_size, double scale,
@@ -110,11 +165,8 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
       std::tie(out, argmax, preactivation, pooled_weight, std::ignore) =
           call_model_forward_with_argmax(x, weight, bias, pool_kernel_size, scale);
     }
-    ctx->save_for_backward({x, pooled_weight, argmax, preactivation});
-    ctx->saved_data["out_features"] = weight.sym_size(0);  // symbolic under tracing
-    ctx->saved_data["pool_kernel_size"] = pool_kernel_size;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["has_bias"] = bias.has_value();
+    save_for_backward(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight, argmax,
+                      preactivation);
     return out;
   }
 
@@ -122,54 +174,54 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
   // absent bias and for the given fold, which is not differentiated: the gradients reach weight
   // and bias through fold_backward).
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const at::Tensor& pooled_weight = saved[1];
-    const at::Tensor& argmax = saved[2];
-    const at::Tensor& preactivation = saved[3];
-    const bool needs_x = ctx->needs_input_grad(0);
-    const bool needs_weight = ctx->needs_input_grad(1);
-    const bool needs_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
-    const double scale = ctx->saved_data["scale"].toDouble();
-
-    // With create_graph (grad mode on here) the ops go through their autograd kernels, which
-    // raise a clear error on a gradient of these gradients; otherwise straight to the device
-    // kernels. No gradient for the preactivation output: the separate ops' autograd passes zeros
-    // there, an allocation and a fill per step for nothing but the sign of a zero grad_x.
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
-    at::Tensor grad_x, grad_weight, grad_bias;
-    if (needs_weight || needs_bias) {
-      std::tie(grad_x, grad_weight, grad_bias) = call_model_backward(
-          grad_outputs[0], x, pooled_weight, argmax, preactivation, scale,
-          ctx->saved_data["out_features"].toSymInt().guard_int(__FILE__, __LINE__),
-          ctx->saved_data["pool_kernel_size"].toInt());
-    } else {
-      grad_x = std::get<0>(
-          call_forward_backward(grad_outputs[0], x, pooled_weight, argmax, preactivation, scale));
-    }
-    return {needs_x ? grad_x : at::Tensor(), needs_weight ? grad_weight : at::Tensor(),
-            needs_bias ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    variable_list grads = backward_of(ctx, grad_outputs[0]);
+    grads.resize(8);
+    return grads;
   }
 };
+
+// _model_forward_and_fold's node: ModelForward without a given fold, which also returns the fold
+// it made (for ModelNew's cache; no gradient flows through it).
+struct ModelForwardAndFold : public torch::autograd::Function<ModelForwardAndFold> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
+                               const at::Tensor& weight, const OptionalTensor& bias,
+                               int64_t pool_kernel_size, double scale) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, argmax, preactivation, pooled_weight, pooled_bias] =
+        call_model_forward_with_argmax(x, weight, bias, pool_kernel_size, scale);
+    save_for_backward(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight, argmax,
+                      preactivation);
+    ctx->mark_non_differentiable({pooled_weight, pooled_bias});
+    return {out, pooled_weight, pooled_bias};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    variable_list grads = backward_of(ctx, grad_outputs[0]);
+    grads.resize(5);
+    return grads;
+  }
+};
+
+// model_forward's and _model_forward_and_fold's checks, in the Python node's order (so that the
+// two report the same first error); whether a node is needed.
+bool check_and_needs_grad(const at::Tensor& x, const at::Tensor& weight,
+                          const OptionalTensor& bias) {
+  check_no_tangent("model_forward", "x", x);
+  check_no_tangent("model_forward", "weight", weight);
+  if (bias.has_value()) check_no_tangent("model_forward", "bias", *bias);
+  return at::GradMode::is_enabled() &&
+         (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
+}
 
 at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const OptionalTensor& bias, int64_t pool_kernel_size,
                                   double scale, const OptionalTensor& pooled_weight,
                                   const OptionalTensor& pooled_bias,
                                   const OptionalTensor& prepared_weight) {
-  // In the Python node's order, so that the two report the same first error.
   check_model_forward_inputs(x, weight);
   check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
                              prepared_weight);
-  check_no_tangent("model_forward", "x", x);
-  check_no_tangent("model_forward", "weight", weight);
-  if (bias.has_value()) check_no_tangent("model_forward", "bias", *bias);
-  const bool needs_grad =
-      at::GradMode::is_enabled() &&
-      (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
-  if (!needs_grad) {  // no node: the device kernel, which checks the rest
+  if (!check_and_needs_grad(x, weight, bias)) {  // no node: the device kernel, which checks the rest
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return call_model_forward(x, weight, bias, pool_kernel_size, scale, pooled_weight,
                               pooled_bias, prepared_weight);
@@ -178,10 +230,23 @@ at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
                              prepared_weight);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> model_forward_and_fold_autograd(
+    const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
+    int64_t pool_kernel_size, double scale) {
+  check_model_forward_inputs(x, weight);
+  if (!check_and_needs_grad(x, weight, bias)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_model_forward_and_fold(x, weight, bias, pool_kernel_size, scale);
+  }
+  const variable_list outs = ModelForwardAndFold::apply(x, weight, bias, pool_kernel_size, scale);
+  return {outs[0], outs[1], outs[2]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_pool_gelu, Autograd, m) {
   m.impl("model_forward", &model_forward_autograd);
+  m.impl("_model_forward_and_fold", &model_forward_and_fold_autograd);
 }
 
 }  // namespace fused_pool_gelu::node
