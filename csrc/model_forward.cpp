@@ -46,10 +46,10 @@ Tensor model_forward_kernel(const Tensor& x, const Tensor& weight,
   return std::get<0>(forward_with_argmax(x, folded_weight, folded_bias, scale, std::nullopt));
 }
 
-// _model_forward_with_argmax: model_forward's forward for its Python autograd node, which saves
-// argmax, preactivation and the fold for model_backward, and whose caller (ModelNew) caches the
-// fold. One call from Python instead of fold's and forward_with_argmax's: host time per training
-// step after each parameter update.
+// _model_forward_with_argmax: the forward of model_forward's autograd node (C++ or Python), which
+// saves argmax, preactivation and the fold for model_backward, and returns the fold as well from
+// _model_forward_and_fold. One call instead of fold's and forward_with_argmax's: host time per
+// training step after each parameter update.
 template <auto fold, auto forward_with_argmax>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> model_forward_with_argmax_kernel(
     const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,

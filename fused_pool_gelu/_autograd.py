@@ -307,7 +307,7 @@ def _model_forward_and_fold_python(x, weight, bias, pool_kernel_size, scale):
     _check_no_tangents("model_forward", ("x", "weight", "bias"), (x, weight, bias))
     if not _needs_grad(x, weight, bias):
         with _below_autograd():
-            return _ops._model_forward_and_fold(x, weight, bias, pool_kernel_size, scale)
+            return _ops._model_forward_and_fold.default(x, weight, bias, pool_kernel_size, scale)
     fold_sink = []
     out = _ModelForward.apply(x, weight, bias, pool_kernel_size, scale, None, None, None,
                               fold_sink)

@@ -229,10 +229,11 @@ def store(miss: Miss, weight: Tensor, bias: Optional[Tensor],
     if not _cacheable(weight, bias):
         return
     previous = _ENTRIES.get(miss.key)
-    if previous is not None and not any(ref.expired() for ref in previous[1]):
-        # The same live storages (the key holds their addresses): a parameter update, every
-        # training step. Their references are kept, where new ones would cost host time per step;
-        # the storages must still be the stamped ones, as storage_refs checks.
+    if previous is not None:
+        # The same storages (the key holds their StorageImpl addresses, which the entry's weak
+        # references pin): a parameter update, every training step. Their references are kept,
+        # where new ones would cost host time per step; the storages must still be the stamped
+        # ones, as storage_refs checks.
         refs = previous[1]
         if weight.untyped_storage()._cdata != miss.stamped[0] or (
                 bias is not None and bias.untyped_storage()._cdata != miss.stamped[1]):
@@ -241,7 +242,7 @@ def store(miss: Miss, weight: Tensor, bias: Optional[Tensor],
         refs = storage_refs(weight, bias, miss.stamped)
         if refs is None:
             return
-    if len(_ENTRIES) > (previous is not None):
+    if previous is None or len(_ENTRIES) > 1:
         # Other parameters' entries: drop those whose storages died. A snapshot (one C-level
         # copy): other threads may add entries meanwhile.
         for stale_key in [k for k, (_, r, _, _) in list(_ENTRIES.items())

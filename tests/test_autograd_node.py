@@ -214,6 +214,24 @@ def test_the_cpp_node_refuses_what_the_python_node_refuses_with_its_message(devi
     assert cpp.startswith(("fused_pool_gelu.model_forward: ", "fused_pool_gelu.fold: "))
 
 
+@pytest.mark.parametrize("node", ["cpp", "python"])
+def test_the_fold_outputs_add_nothing_to_the_backward(device, node):
+    # No gradient flows through the fold outputs: the backward must not materialize zero
+    # gradients for them (two fold-sized allocations and fills per training step).
+    if node == "cpp" and not CPP_NODE:
+        pytest.skip(f"no C++ model_forward node for torch {torch.__version__} in this build")
+    call = _cpp_node_and_fold if node == "cpp" else _python_node_and_fold
+    x = torch.randn(3, 64, device=device, requires_grad=True)
+    weight = torch.randn(128, 64, device=device, requires_grad=True)
+    bias = torch.randn(128, device=device, requires_grad=True)
+    out, pooled_weight, pooled_bias = call(x, weight, bias, 4, 2.0)
+    assert pooled_weight.grad_fn is None and pooled_bias.grad_fn is None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.sum().backward()
+    assert not [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zeros_like")]
+    assert weight.grad is not None and x.grad is not None and bias.grad is not None
+
+
 _AND_FOLD_BAD_CALLS = ["x 3-D", "weight width", "k 0", "k past out_features", "bias shape"]
 
 
@@ -222,8 +240,9 @@ _AND_FOLD_BAD_CALLS = ["x 3-D", "weight width", "k 0", "k past out_features", "b
 @pytest.mark.parametrize("case", _AND_FOLD_BAD_CALLS)
 def test_the_cpp_node_returning_the_fold_refuses_what_the_python_one_does(device, case,
                                                                           requires_grad):
-    x, weight, bias = _bad_calls(device, requires_grad)["x 3-D"][:3]
-    x = x[0]
+    x = torch.randn(5, 12, device=device)
+    weight = torch.randn(8, 12, device=device, requires_grad=requires_grad)
+    bias = torch.randn(8, device=device, requires_grad=requires_grad)
     args = {"x 3-D": (x[None], weight, bias, 4),
             "weight width": (x[:, :11], weight, bias, 4),
             "k 0": (x, weight, bias, 0),

@@ -104,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_model_backward(
 }
 
 // What the arg-max backward needs, saved by either node's forward.
-void save_for_backward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+void save_what_backward_needs(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                        const OptionalTensor& bias, int64_t pool_kernel_size, double scale,
                        const at::Tensor& pooled_weight, const at::Tensor& argmax,
                        const at::Tensor& preactivation) {
@@ -165,8 +165,8 @@ struct ModelForward : public torch::autograd::Function<ModelForward> {
       std::tie(out, argmax, preactivation, pooled_weight, std::ignore) =
           call_model_forward_with_argmax(x, weight, bias, pool_kernel_size, scale);
     }
-    save_for_backward(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight, argmax,
-                      preactivation);
+    save_what_backward_needs(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                             argmax, preactivation);
     return out;
   }
 
@@ -189,28 +189,34 @@ struct ModelForwardAndFold : public torch::autograd::Function<ModelForwardAndFol
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, argmax, preactivation, pooled_weight, pooled_bias] =
         call_model_forward_with_argmax(x, weight, bias, pool_kernel_size, scale);
-    save_for_backward(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight, argmax,
-                      preactivation);
+    save_what_backward_needs(ctx, x, weight, bias, pool_kernel_size, scale, pooled_weight,
+                             argmax, preactivation);
     ctx->mark_non_differentiable({pooled_weight, pooled_bias});
+    // No zero-filled gradients for the fold outputs (autograd's default would allocate and fill
+    // two fold-sized tensors per backward): only out's gradient is read.
+    ctx->set_materialize_grads(false);
     return {out, pooled_weight, pooled_bias};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    if (!grad_outputs[0].defined()) return variable_list(5);
     variable_list grads = backward_of(ctx, grad_outputs[0]);
     grads.resize(5);
     return grads;
   }
 };
 
-// model_forward's and _model_forward_and_fold's checks, in the Python node's order (so that the
-// two report the same first error); whether a node is needed.
-bool check_and_needs_grad(const at::Tensor& x, const at::Tensor& weight,
-                          const OptionalTensor& bias) {
+// The tangent checks of model_forward and _model_forward_and_fold, after their input checks, in
+// the Python node's order (so that the two report the same first error).
+void check_no_tangents(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
   check_no_tangent("model_forward", "x", x);
   check_no_tangent("model_forward", "weight", weight);
   if (bias.has_value()) check_no_tangent("model_forward", "bias", *bias);
-  return at::GradMode::is_enabled() &&
-         (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
+}
+
+bool needs_grad(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
+  return at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad() ||
+                                        (bias.has_value() && bias->requires_grad()));
 }
 
 at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
@@ -221,7 +227,8 @@ at::Tensor model_forward_autograd(const at::Tensor& x, const at::Tensor& weight,
   check_model_forward_inputs(x, weight);
   check_model_forward_folded(weight, bias, pool_kernel_size, pooled_weight, pooled_bias,
                              prepared_weight);
-  if (!check_and_needs_grad(x, weight, bias)) {  // no node: the device kernel, which checks the rest
+  check_no_tangents(x, weight, bias);
+  if (!needs_grad(x, weight, bias)) {  // no node: the device kernel, which checks the rest
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return call_model_forward(x, weight, bias, pool_kernel_size, scale, pooled_weight,
                               pooled_bias, prepared_weight);
@@ -234,7 +241,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> model_forward_and_fold_autograd(
     const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
     int64_t pool_kernel_size, double scale) {
   check_model_forward_inputs(x, weight);
-  if (!check_and_needs_grad(x, weight, bias)) {
+  check_no_tangents(x, weight, bias);
+  if (!needs_grad(x, weight, bias)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return call_model_forward_and_fold(x, weight, bias, pool_kernel_size, scale);
   }
