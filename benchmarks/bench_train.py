@@ -12,9 +12,9 @@ gradients of weight, bias and x. Impls (each with its own copy of the parameters
   ref_compile   torch.compile(Model) (forward and backward compiled by AOTAutograd)
   fold_eager    the fold inside autograd (view + mean every step), F.linear + gelu * s + max
   fold_compile  torch.compile of that function (fold included)
-  ours_model    fused_pool_gelu.ModelNew (fold op + fused forward op, arg-max backward; its fold
-                cache dropped every step, as a real step's parameter update would:
-                fused_pool_gelu.measure.training_step)
+  ours_model    fused_pool_gelu.ModelNew (fold op + fused forward op, arg-max backward; it refolds
+                every step: the step bumps the parameters' version counters, as a real step's
+                parameter update does: fused_pool_gelu.measure.training_step)
 Each row: median step time, rel err of the forward output vs float64, the rel errs of the three
 gradients vs float64 gradients (grad_rel_err_fp64; arg-max ties or near-ties between float32 and
 float64 move a whole row's gradient, so these may exceed the forward error even for the

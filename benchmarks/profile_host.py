@@ -11,8 +11,8 @@ never fills and blocks a call), median and minimum over `--calls` calls, for
   - the ops one by one (fold, forward_with_argmax, model_forward, model_backward, forward_backward,
     fold_backward) at B = 1024, and a plain `torch.add` of the pooled weight's size for scale;
   - the parts of bench_train.py's step for ours_model (measure.training_step): grads set to None,
-    the fold cache dropped (as a parameter update drops it), ModelNew's forward (the fold
-    included), out.sum(), and backward() (which includes the autograd engine's hand-off to its
+    the parameters' version counters bumped (as a parameter update bumps them), ModelNew's forward
+    (the fold included), out.sum(), and backward() (which includes the autograd engine's hand-off to its
     device thread and back; model_backward is a part of it).
 The host's speed drifts between runs (up to ~1.8x on a shared machine): compare versions
 interleaved in one session, round by round (`--rounds`).
@@ -49,7 +49,8 @@ def host_us(fn, calls: int, sync_every: int):
 def step_parts(model, x, calls: int, sync_every: int):
     """Median host microseconds of each part of one eager training step."""
     tensors = list(model.parameters()) + [x]
-    parts = {"grads None": [], "drop fold": [], "forward": [], "sum": [], "backward": [],
+    params = list(model.parameters())
+    parts = {"grads None": [], "bump versions": [], "forward": [], "sum": [], "backward": [],
              "step": []}
     for i in range(calls):
         if i % sync_every == 0:
@@ -58,7 +59,7 @@ def step_parts(model, x, calls: int, sync_every: int):
         for t in tensors:
             t.grad = None
         t1 = time.perf_counter()
-        model.invalidate_fold()
+        torch.autograd.graph.increment_version(params)
         t2 = time.perf_counter()
         out = model(x)
         t3 = time.perf_counter()

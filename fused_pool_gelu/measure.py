@@ -38,16 +38,17 @@ def training_step(forward, x, params):
     to None, then forward(x).sum().backward(). Returns it as a function returning forward(x).
 
     A real step follows a parameter update, after which ModelNew folds again; these steps update
-    nothing, so a forward with a fold cache (ModelNew.invalidate_fold) has it dropped at every step
-    (host work only), as an update would."""
-    tensors = list(params) + [x]
-    invalidate_fold = getattr(forward, "invalidate_fold", None)
+    nothing, so each one bumps the parameters' version counters first, as an optimizer's in-place
+    update does (host work only): ModelNew's fold cache then refolds, as after a real update."""
+    import torch
+
+    params = list(params)
+    tensors = params + [x]
 
     def step():
         for t in tensors:
             t.grad = None
-        if invalidate_fold is not None:
-            invalidate_fold()
+        torch.autograd.graph.increment_version(params)
         out = forward(x)
         out.sum().backward()
         return out

@@ -421,8 +421,9 @@ def test_a_data_edit_is_served_stale_until_invalidate_fold(device):
 
 
 def test_the_timed_training_step_folds_every_step_as_an_updating_one_does():
-    # measure.training_step (what __main__ and bench_train time) updates no parameter: it drops
-    # ModelNew's fold each step, so that the step timed costs what a real one does.
+    # measure.training_step (what __main__ and bench_train time) updates no parameter: it bumps
+    # their version counters each step, as an update does, so that the step timed costs what a
+    # real one does.
     from fused_pool_gelu.measure import training_step
 
     _, model = _models("cpu")
