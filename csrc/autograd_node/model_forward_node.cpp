@@ -104,10 +104,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_model_backward(
 }
 
 // What the arg-max backward needs, saved by either node's forward.
-void save_what_backward_needs(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                       const OptionalTensor& bias, int64_t pool_kernel_size, double scale,
-                       const at::Tensor& pooled_weight, const at::Tensor& argmax,
-                       const at::Tensor& preactivation) {
+void save_what_backward_needs(AutogradContext* ctx, const at::Tensor& x,
+                              const at::Tensor& weight, const OptionalTensor& bias,
+                              int64_t pool_kernel_size, double scale,
+                              const at::Tensor& pooled_weight, const at::Tensor& argmax,
+                              const at::Tensor& preactivation) {
   ctx->save_for_backward({x, pooled_weight, argmax, preactivation});
   ctx->saved_data["out_features"] = weight.sym_size(0);  // symbolic under tracing
   ctx->saved_data["pool_kernel_size"] = pool_kernel_size;
