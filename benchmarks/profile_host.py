@@ -12,8 +12,8 @@ never fills and blocks a call), median and minimum over `--calls` calls, for
     fold_backward) at B = 1024, and a plain `torch.add` of the pooled weight's size for scale;
   - the parts of bench_train.py's step for ours_model (measure.training_step): grads set to None,
     the parameters' version counters bumped (as a parameter update bumps them), ModelNew's forward
-    (the fold included), out.sum(), and backward() (which includes the autograd engine's hand-off to its
-    device thread and back; model_backward is a part of it).
+    (the fold included), out.sum(), and backward() (which includes the autograd engine's hand-off
+    to its device thread and back; model_backward is a part of it).
 The host's speed drifts between runs (up to ~1.8x on a shared machine): compare versions
 interleaved in one session, round by round (`--rounds`).
 Shape: the default, K = O = 8192, k = 16, scale 2.
@@ -48,8 +48,8 @@ def host_us(fn, calls: int, sync_every: int):
 
 def step_parts(model, x, calls: int, sync_every: int):
     """Median host microseconds of each part of one eager training step."""
-    tensors = list(model.parameters()) + [x]
     params = list(model.parameters())
+    tensors = params + [x]
     parts = {"grads None": [], "bump versions": [], "forward": [], "sum": [], "backward": [],
              "step": []}
     for i in range(calls):

@@ -68,10 +68,9 @@ template <auto fold, auto forward_with_argmax>
 std::tuple<Tensor, Tensor, Tensor> model_forward_and_fold_kernel(
     const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
     int64_t pool_kernel_size, double scale) {
-  check_model_forward_inputs(x, weight);
-  auto [pooled_weight, pooled_bias] = fold(weight, bias, pool_kernel_size);
-  Tensor out = std::get<0>(forward_with_argmax(x, pooled_weight, pooled_bias, scale, std::nullopt));
-  return {out, pooled_weight, pooled_bias};
+  auto outs = model_forward_with_argmax_kernel<fold, forward_with_argmax>(
+      x, weight, bias, pool_kernel_size, scale);  // out, argmax, preactivation, the fold
+  return {std::get<0>(outs), std::get<3>(outs), std::get<4>(outs)};
 }
 
 // model_backward on the CPU: the two ops it stands for (CUDA has a kernel of its own, which skips

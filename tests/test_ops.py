@@ -685,6 +685,11 @@ def test_opcheck_model_forward_with_argmax(case, device):
     opcheck(_OPS._model_forward_with_argmax.default, (x, weight, bias, k, scale))
 
 
+def _assert_same_tensors(got, expected):
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
 # (B, K, O, k): odd widths, a tail of O % k rows, one pooled row.
 MODEL_FORWARD_WITH_ARGMAX_SHAPES = [(7, 33, 50, 4), (1, 5, 3, 3), (40, 130, 17, 2)]
 
@@ -702,8 +707,7 @@ def test_model_forward_with_argmax_is_fold_then_forward_with_argmax_bit_for_bit(
     expected = (*ops.forward_with_argmax(x, pooled_weight, pooled_bias, -1.5), pooled_weight,
                 pooled_bias)
     assert len(got) == 5
-    for a, b in zip(got, expected):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    _assert_same_tensors(got, expected)
 
 
 def test_model_forward_with_argmax_refuses_a_gradient(device, make_inputs):
@@ -747,8 +751,7 @@ def test_model_forward_and_fold_is_model_forward_and_its_fold_bit_for_bit(
     got = _OPS._model_forward_and_fold(x, weight, bias, k, -1.5)
     expected = (ops.model_forward(x, weight, bias, k, -1.5), *ops.fold(weight, bias, k))
     assert len(got) == 3
-    for a, b in zip(got, expected):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    _assert_same_tensors(got, expected)
     # The fold carries no gradient; the output's reaches the weight as model_forward's does.
     assert got[0].requires_grad and not got[1].requires_grad and not got[2].requires_grad
     grad_out = torch.randn_like(got[0])
